@@ -1,0 +1,66 @@
+"""Train with DistributedDataParallel: one process per GPU, launched by torchrun.
+
+    torchrun --nproc_per_node=8 train_multi_gpu_ddp.py --syncBN True
+    torchrun --nproc_per_node=2 train_multi_gpu_ddp.py --config configs/demo.yaml   # CPU works too (gloo)
+    # two machines, 8 GPUs each; run on both, with --node_rank 0 and 1:
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \
+        --rdzv_endpoint=HOST0:29400 train_multi_gpu_ddp.py --output-dir runs/big
+
+Each process loads its own shard of the data (DistributedSampler), runs its
+own forward/backward, and DDP averages the gradients with an all-reduce, so
+every replica takes the same step. --batch-size is per process: the global
+batch is batch_size x world size, and optim.lr is scaled by the world size
+(optim.scale_lr). Only rank 0 writes files and shows progress.
+"""
+import sys
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from data import ShardSampler, build_datasets, make_loader
+from model import build_model
+from utils.config import load_config
+from utils.distributed_utils import cleanup, init_distributed_mode
+from utils.engine import fit
+from utils.errors import cli_entry
+
+
+@cli_entry
+def main(argv=None):
+    cfg = load_config(argv, description=__doc__.splitlines()[0])
+
+    # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo --
+    dist_info = init_distributed_mode(cfg.train.device)
+    device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
+    torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
+    try:
+        # -- data: a disjoint shard per rank, reshuffled each epoch via set_epoch in fit() --
+        train_set, val_set, classes = build_datasets(cfg.data)
+        train_sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.train.seed)
+        procs = dist_info.local_world_size
+        train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device,
+                                   train=True, procs_per_node=procs)
+        # Unpadded shards: each validation image is counted exactly once over all ranks.
+        val_loader = make_loader(val_set, cfg.train.batch_size, ShardSampler(val_set, world, rank), cfg.data,
+                                 device, train=False, procs_per_node=procs)
+
+        # -- model: SyncBN (CUDA only), then one DDP replica per process --
+        model = build_model(cfg.model, len(classes), device, verbose=rank == 0)
+        if cfg.model.sync_bn and device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif cfg.model.sync_bn and rank == 0:
+            print("warning: --syncBN True ignored: PyTorch's SyncBatchNorm needs CUDA GPUs; "
+                  "continuing with per-process BatchNorm")
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="ddp")
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

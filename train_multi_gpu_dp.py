@@ -1,0 +1,58 @@
+"""Train on every visible GPU of one machine with nn.DataParallel (one process, one thread per GPU).
+
+    python train_multi_gpu_dp.py --config configs/demo.yaml
+    CUDA_VISIBLE_DEVICES=0,1 python train_multi_gpu_dp.py --batch-size 32
+
+--batch-size is the GLOBAL batch: each step scatters it over the GPUs, so it
+must be at least the number of GPUs. DataParallel is the easy path, not the
+fast one: the first GPU gathers outputs and holds extra memory, and one Python
+process drives all GPUs. Prefer train_multi_gpu_ddp.py. With one GPU or none it
+runs as a single device (the wrapper stays, so the code path is the same).
+"""
+import sys
+
+import torch
+from torch import nn
+
+from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from model import build_model
+from utils.config import load_config
+from utils.distributed_utils import DistInfo, resolve_device
+from utils.engine import fit
+from utils.errors import UserError, cli_entry
+
+
+@cli_entry
+def main(argv=None):
+    cfg = load_config(argv, description=__doc__.splitlines()[0])
+
+    # -- device: all visible GPUs, outputs gathered on the first --
+    device = resolve_device(cfg.train.device)
+    gpu_ids = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    if len(gpu_ids) > cfg.train.batch_size:
+        raise UserError(f"--batch-size {cfg.train.batch_size} is smaller than the {len(gpu_ids)} GPUs "
+                        "DataParallel splits it over; use at least one image per GPU")
+    if device.type == "cuda":
+        device = torch.device("cuda", gpu_ids[0])
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
+    dist_info = DistInfo(device=device)
+    if cfg.model.sync_bn:
+        print("note: --syncBN applies to train_multi_gpu_ddp.py only; DataParallel keeps per-GPU BatchNorm")
+    torch.manual_seed(cfg.train.seed)
+
+    # -- data: one process loads the global batch, DataParallel splits it --
+    train_set, val_set, classes = build_datasets(cfg.data)
+    train_sampler = epoch_sampler(train_set, cfg.train.seed)
+    train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
+    val_loader = make_loader(val_set, cfg.train.batch_size, ShardSampler(val_set), cfg.data, device, train=False)
+
+    # -- model: replicated onto every GPU at each forward --
+    model = nn.DataParallel(build_model(cfg.model, len(classes), device), device_ids=gpu_ids or None)
+    print(f"DataParallel over {len(gpu_ids) or 'no'} GPU(s), global batch {cfg.train.batch_size}")
+
+    return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="dp")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,220 @@
+"""Typed configuration: schema, YAML files, dotted overrides and the classic flags.
+
+Precedence, later wins:
+    schema defaults < configs/default.yaml < --config FILE < classic flags < dotted overrides
+
+    python train.py --config configs/demo.yaml --epochs 3 optim.lr=0.05
+
+Everything is validated against the dataclass schema below before any work
+starts: an unknown key or a value of the wrong type stops with one line that
+names the key. The schema's defaults are deliberately the same as
+configs/default.yaml, so a recipe file only states what differs.
+"""
+import argparse
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from utils.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/flower_photos"
+    val_rate: float = 0.2
+    split_seed: int = 0
+    img_size: int = 224
+    val_resize: int = 256
+    num_workers: int = -1
+    pin_memory: bool = True
+    demo: bool = False
+    demo_images_per_class: int = 60
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet34"
+    weights: Optional[str] = None
+    freeze_layers: bool = False
+    sync_bn: bool = False
+    channels_last: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.01
+    lrf: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    warmup_epochs: float = 0.0
+    scale_lr: bool = True
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 30
+    batch_size: int = 16
+    device: str = "auto"
+    amp: str = "auto"
+    seed: int = 0
+    log_every: int = 20
+    keep_last: int = 0
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output_dir: Optional[str] = None
+    resume: Optional[str] = None
+
+
+# Classic flag -> dotted key. Values are handed to OmegaConf as text, so the
+# schema does the type checking and "--syncBN False" becomes the bool False.
+CLASSIC_FLAGS = {
+    "--epochs": "train.epochs",
+    "--batch-size": "train.batch_size",
+    "--lr": "optim.lr",
+    "--lrf": "optim.lrf",
+    "--syncBN": "model.sync_bn",
+    "--weights": "model.weights",
+    "--freeze-layers": "model.freeze_layers",
+    "--data-path": "data.path",
+    "--device": "train.device",
+    "--output-dir": "output_dir",
+    "--resume": "resume",
+}
+
+CHOICES = {
+    "model.name": ("resnet18", "resnet34", "resnet50"),
+    "train.amp": ("auto", "bf16", "fp16", "off"),
+}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus a message; we want the single `error:` line."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
+def build_arg_parser(description=""):
+    p = _OneLineParser(description=description,
+                       epilog="Any config key can also be set as key=value, e.g. optim.lr=0.05.")
+    p.add_argument("--config", help="YAML recipe merged over configs/default.yaml")
+    for flag, key in CLASSIC_FLAGS.items():
+        p.add_argument(flag, dest=key.replace(".", "__"), metavar="VALUE", help=f"sets {key}")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    return p
+
+
+def _all_keys(node, prefix=""):
+    keys = []
+    for k, v in node.items():
+        full = f"{prefix}{k}"
+        keys.append(full)
+        if isinstance(v, DictConfig):
+            keys.extend(_all_keys(v, full + "."))
+    return keys
+
+
+def _describe(e, schema):
+    """Turn an OmegaConf exception into one line that names the key."""
+    key = getattr(e, "full_key", None) or ""
+    if isinstance(e, ConfigKeyError) or "not in" in str(e):
+        known = _all_keys(schema)
+        guess = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean '{guess[0]}'?)" if guess else ""
+        return f"unknown config key '{key}'{hint}"
+    if isinstance(e, ValidationError):
+        msg = str(e).splitlines()[0]
+        return f"bad value for '{key}': {msg}"
+    return f"config: {str(e).splitlines()[0]}"
+
+
+def _load_yaml(path):
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"config file '{path}'{where}: malformed YAML ({getattr(e, 'problem', e)})")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file '{path}' must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _check_ranges(cfg):
+    """Values that type-check but cannot work; caught here, before any data is read."""
+    def bad(key, why):
+        raise UserError(f"bad value for '{key}': {why}")
+
+    if cfg.train.epochs < 1:
+        bad("train.epochs", f"{cfg.train.epochs}; need at least 1 epoch")
+    if cfg.train.batch_size < 1:
+        bad("train.batch_size", f"{cfg.train.batch_size}; need a batch of at least 1")
+    if not 0.0 <= cfg.data.val_rate < 1.0:
+        bad("data.val_rate", f"{cfg.data.val_rate}; must be in [0, 1)")
+    if cfg.data.img_size < 16 or cfg.data.val_resize < cfg.data.img_size:
+        bad("data.img_size", "img_size must be >= 16 and val_resize >= img_size")
+    if cfg.optim.lr <= 0 or cfg.optim.lrf <= 0:
+        bad("optim.lr", "lr and lrf must be positive")
+    if cfg.optim.warmup_epochs < 0 or cfg.optim.warmup_epochs > cfg.train.epochs:
+        bad("optim.warmup_epochs", f"{cfg.optim.warmup_epochs}; must be between 0 and train.epochs")
+    if cfg.train.log_every < 1:
+        bad("train.log_every", "must be at least 1")
+    if cfg.train.keep_last < 0:
+        bad("train.keep_last", "must be 0 or more")
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            bad(key, f"'{value}'; choose one of {', '.join(allowed)}")
+
+
+def load_config(argv=None, description=""):
+    """Parse argv into a validated, read-only DictConfig."""
+    args = build_arg_parser(description).parse_args(argv)
+    schema = OmegaConf.structured(Config)
+    dotlist = []
+    for flag, key in CLASSIC_FLAGS.items():
+        value = getattr(args, key.replace(".", "__"))
+        if value is not None:
+            dotlist.append(f"{key}={value}")
+    for item in args.overrides:
+        if "=" not in item:
+            raise UserError(f"'{item}' is not a key=value override (e.g. optim.lr=0.05)")
+        dotlist.append(item)
+    try:
+        layers = [schema, OmegaConf.create(_load_yaml(DEFAULT_CONFIG))]
+        if args.config:
+            layers.append(OmegaConf.create(_load_yaml(args.config)))
+        layers.append(OmegaConf.from_dotlist(dotlist))
+        cfg = OmegaConf.merge(*layers)
+    except OmegaConfBaseException as e:
+        raise UserError(_describe(e, schema)) from None
+    _check_ranges(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def save_config(cfg, path):
+    Path(path).write_text(OmegaConf.to_yaml(cfg))
+
+
+def config_to_dict(cfg):
+    return OmegaConf.to_container(cfg, resolve=True)

@@ -1,0 +1,155 @@
+"""Process-group setup and the few collectives the template needs.
+
+torchrun (and srun) describe each process through the environment; there is
+no --local_rank argument. Rule used everywhere: every rank calls every
+collective; only the side effects (files, prints, bars) are rank-0 guarded.
+"""
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from utils.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1     # processes on this node: they share its CPU cores for data loading
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False
+
+
+def _env_int(*names):
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return None
+
+
+def read_launch_env():
+    """(rank, world_size, local_rank) from torchrun's or SLURM's variables, or None."""
+    rank = _env_int("RANK")
+    if rank is not None:
+        return rank, _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK") or 0
+    rank = _env_int("SLURM_PROCID")
+    if rank is not None and _env_int("SLURM_NTASKS") is not None:
+        return rank, _env_int("SLURM_NTASKS"), _env_int("SLURM_LOCALID") or 0
+    return None
+
+
+def resolve_device(requested="auto"):
+    """train.device -> torch.device for a single process: auto = CUDA if present, else CPU."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(requested).startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {requested} asked for CUDA, but torch sees no CUDA device; use --device cpu")
+    try:
+        return torch.device(requested)
+    except RuntimeError:
+        raise UserError(f"--device '{requested}' is not a device; use auto, cpu, cuda or cuda:N") from None
+
+
+def init_distributed_mode(device="auto", timeout_minutes=30):
+    """Join the process group described by the environment and pick this rank's device.
+
+    `device` is the config's train.device: "auto" takes CUDA when present
+    (nccl), otherwise CPU (gloo). Outside torchrun/srun it returns a
+    single-process DistInfo, so the DDP script also runs as `python ...`.
+    """
+    launch = read_launch_env()
+    want_cuda = resolve_device(device).type == "cuda"
+    if launch is None:
+        return DistInfo(device=resolve_device(device))
+    rank, world_size, local_rank = launch
+    if want_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                            "lower --nproc_per_node")
+        torch.cuda.set_device(local_rank)
+        dev, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if "MASTER_ADDR" not in os.environ:  # srun without torchrun: single-node default
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    kwargs = dict(backend=backend, rank=rank, world_size=world_size,
+                  timeout=datetime.timedelta(minutes=timeout_minutes))
+    if backend == "nccl":
+        kwargs["device_id"] = dev  # binds NCCL to this GPU at once; no stray context on GPU 0
+    try:
+        dist.init_process_group(**kwargs)
+    except TypeError:  # torch < 2.3 has no device_id
+        kwargs.pop("device_id", None)
+        dist.init_process_group(**kwargs)
+    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE") or 1
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
+                    device=dev, distributed=True)
+
+
+def is_dist_avail_and_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank():
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def get_world_size():
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def is_main_process():
+    return get_rank() == 0
+
+
+def barrier():
+    if is_dist_avail_and_initialized():
+        dist.barrier()
+
+
+def reduce_value(value, average=True):
+    """All-reduce a tensor over ranks (sum, or mean if `average`); identity on one process.
+
+    Called by every rank. The tensor must live on the backend's device.
+    """
+    if not is_dist_avail_and_initialized():
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    if average:
+        value /= dist.get_world_size()
+    return value
+
+
+def reduce_min(value):
+    """Element-wise minimum over ranks; identity on one process. Called by every rank."""
+    if not is_dist_avail_and_initialized():
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return value
+
+
+def any_rank(flag, device):
+    """True on every rank if `flag` is true on at least one (one all-reduce)."""
+    t = torch.tensor(1.0 if flag else 0.0, device=device)
+    return bool(reduce_value(t, average=False).item() > 0)
+
+
+def broadcast_object(obj, src=0):
+    """Rank `src`'s Python object on every rank (e.g. the run directory name)."""
+    if not is_dist_avail_and_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def cleanup():
+    if is_dist_avail_and_initialized():
+        dist.destroy_process_group()

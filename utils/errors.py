@@ -1,0 +1,46 @@
+"""User-facing errors: one line on stderr and a non-zero exit, no traceback.
+
+Anything a user can cause (a typo in a config, a missing folder, an impossible
+batch size) is raised as a `UserError` and printed as `error: ...`. Set
+TRAIN_DEBUG=1 in the environment to get the full Python traceback instead.
+"""
+import functools
+import os
+import sys
+import traceback
+
+USAGE_EXIT = 2    # bad config, bad flag, bad path: the command line must change
+RUNTIME_EXIT = 1  # the run started and could not go on (NaN loss, failed save, ...)
+
+
+class UserError(Exception):
+    """An error the user can fix; `exit_code` 2 for usage/config, 1 for runtime."""
+
+    def __init__(self, message, exit_code=USAGE_EXIT):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def debug_enabled():
+    return os.environ.get("TRAIN_DEBUG", "0").lower() not in ("", "0", "false", "no")
+
+
+def cli_entry(main):
+    """Wrap an entry script's main(): UserError -> `error: ...` and its exit code."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            if debug_enabled():
+                traceback.print_exc()
+            # Every rank may hit the same error; one line per process is still
+            # one line per cause, and the exit code makes torchrun stop the group.
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
+
+    return wrapper

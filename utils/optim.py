@@ -1,0 +1,56 @@
+"""Optimizer, learning-rate schedule and mixed precision, built from the config."""
+import math
+
+import torch
+
+
+def build_optimizer(model, optim_cfg, world_size=1):
+    """SGD over the trainable tensors; lr scaled by world size under the linear scaling rule.
+
+    In DDP each process sees `batch_size` images, so the global batch is
+    batch_size * world_size; keeping lr per image constant means lr * world_size.
+    """
+    lr = optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=lr, momentum=optim_cfg.momentum,
+                           weight_decay=optim_cfg.weight_decay)
+
+
+def lr_factor(step, total_steps, warmup_steps, lrf):
+    """Multiplier of the base lr at `step`: linear warm-up, then cosine from 1 down to lrf."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return lrf + (1 - lrf) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class WarmupCosine:
+    """Picklable lr_lambda, so the schedule lives in the scheduler's state, not in a closure."""
+
+    def __init__(self, total_steps, warmup_steps, lrf):
+        self.total_steps, self.warmup_steps, self.lrf = total_steps, warmup_steps, lrf
+
+    def __call__(self, step):
+        return lr_factor(step, self.total_steps, self.warmup_steps, self.lrf)
+
+
+def build_scheduler(optimizer, optim_cfg, epochs, steps_per_epoch):
+    """Stepped once per optimizer step (not per epoch), so warm-up can be a fraction of an epoch."""
+    warmup = int(round(optim_cfg.warmup_epochs * steps_per_epoch))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(epochs * steps_per_epoch, warmup, optim_cfg.lrf))
+
+
+def resolve_amp(amp, device):
+    """Config's train.amp -> autocast dtype, or None for full fp32."""
+    if device.type != "cuda" or amp == "off":
+        return None  # CPU autocast is slower than fp32 for convolutions on most CPUs
+    if amp == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+
+
+def build_scaler(amp_dtype, device):
+    """Loss scaling is needed for fp16 only; bf16 has fp32's range."""
+    enabled = amp_dtype == torch.float16
+    return torch.amp.GradScaler(device.type if enabled else "cpu", enabled=enabled)
