@@ -84,10 +84,10 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
     return split
 
 
-def build_transforms(img_size, val_resize):
+def build_transforms(img_size, val_resize, min_crop_scale=0.08):
     normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     train = transforms.Compose([
-        transforms.RandomResizedCrop(img_size),
+        transforms.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)),
         transforms.RandomHorizontalFlip(),
         transforms.ToTensor(),
         normalize,
@@ -130,7 +130,7 @@ def build_datasets(data_cfg):
         from utils.demo_dataset import ensure_demo_dataset
         ensure_demo_dataset(data_cfg.path, images_per_class=data_cfg.demo_images_per_class)
     split = split_dataset(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
-    train_tf, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize)
+    train_tf, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
     return ImageList(split.train, train_tf), ImageList(split.val, val_tf), split.classes
 
 

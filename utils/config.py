@@ -32,6 +32,7 @@ class DataConfig:
     val_rate: float = 0.2
     split_seed: int = 0
     img_size: int = 224
+    min_crop_scale: float = 0.08
     val_resize: int = 256
     num_workers: int = -1
     pin_memory: bool = True
@@ -170,6 +171,8 @@ def _check_ranges(cfg):
         bad("train.batch_size", f"{cfg.train.batch_size}; need a batch of at least 1")
     if not 0.0 <= cfg.data.val_rate < 1.0:
         bad("data.val_rate", f"{cfg.data.val_rate}; must be in [0, 1)")
+    if not 0.0 < cfg.data.min_crop_scale <= 1.0:
+        bad("data.min_crop_scale", f"{cfg.data.min_crop_scale}; must be in (0, 1]")
     if cfg.data.img_size < 16 or cfg.data.val_resize < cfg.data.img_size:
         bad("data.img_size", "img_size must be >= 16 and val_resize >= img_size")
     if cfg.optim.lr <= 0 or cfg.optim.lrf <= 0:

@@ -1,0 +1,67 @@
+"""Shared test helpers: tiny image folders and running the real entry scripts.
+
+Tests run on CPU. Small models and 32 px images keep a whole run to seconds;
+`slow` marks the ones that still take longer (they run in CI too).
+"""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Arguments that make any entry script fast on CPU; a test appends its own after these.
+FAST_ARGS = ["--device", "cpu", "model.name=resnet18", "data.img_size=32", "data.val_resize=36",
+             "data.num_workers=0", "train.epochs=1", "train.batch_size=4", "train.log_every=2"]
+
+CLASS_COLOURS = {"daisy": (240, 240, 240), "dandelion": (250, 220, 20), "roses": (200, 20, 30),
+                 "sunflowers": (150, 90, 10), "tulips": (220, 80, 200)}
+
+
+def make_image_folder(root, per_class=6, classes=tuple(CLASS_COLOURS), size=(40, 32), ext=".jpg"):
+    """A class-per-folder root of small images, a distinct colour per class plus a gradient."""
+    root = Path(root)
+    for ci, name in enumerate(classes):
+        colour = CLASS_COLOURS.get(name, ((ci * 80) % 256, (ci * 150) % 256, (ci * 40) % 256))
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            img = Image.new("RGB", size, colour)
+            px = img.load()
+            for x in range(size[0]):  # a little structure so crops differ
+                px[x, (i + x) % size[1]] = (x * 6 % 256, i * 20 % 256, 128)
+            img.save(root / name / f"{name}_{i:03d}{ext}")
+    return root
+
+
+@pytest.fixture
+def image_root(tmp_path):
+    """Five classes x 6 images: 25 train / 5 val with the default val_rate 0.2."""
+    return make_image_folder(tmp_path / "flowers")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
+    """Run an entry script as a user would: `python script ...` or torchrun with `nproc` gloo processes."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / script)]
+    else:
+        cmd = [sys.executable, str(REPO / script)]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=cwd)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds; still runs in CI")
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
