@@ -15,14 +15,12 @@ batch is batch_size x world size, and optim.lr is scaled by the world size
 import sys
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
 
-from data import ShardSampler, build_datasets, make_loader
+from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
 from utils.config import load_config
-from utils.distributed_utils import cleanup, init_distributed_mode
+from utils.distributed_utils import cleanup, convert_sync_bn, init_distributed_mode
 from utils.engine import fit
 from utils.errors import cli_entry
 
@@ -40,7 +38,7 @@ def main(argv=None):
     try:
         # -- data: a disjoint shard per rank, reshuffled each epoch via set_epoch in fit() --
         train_set, val_set, classes = build_datasets(cfg.data)
-        train_sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.train.seed)
+        train_sampler = epoch_sampler(train_set, cfg.train.seed, world, rank)
         procs = dist_info.local_world_size
         train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device,
                                    train=True, procs_per_node=procs)
@@ -50,11 +48,7 @@ def main(argv=None):
 
         # -- model: SyncBN (CUDA only), then one DDP replica per process --
         model = build_model(cfg.model, len(classes), device, verbose=rank == 0)
-        if cfg.model.sync_bn and device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        elif cfg.model.sync_bn and rank == 0:
-            print("warning: --syncBN True ignored: PyTorch's SyncBatchNorm needs CUDA GPUs; "
-                  "continuing with per-process BatchNorm")
+        model = convert_sync_bn(model, cfg.model.sync_bn, device, verbose=rank == 0)
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
         return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="ddp")

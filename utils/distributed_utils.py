@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from utils.errors import UserError
+from utils.errors import RUNTIME_EXIT, UserError
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,35 @@ def init_distributed_mode(device="auto", timeout_minutes=30):
     if backend == "nccl":
         kwargs["device_id"] = dev  # binds NCCL to this GPU at once; no stray context on GPU 0
     try:
-        dist.init_process_group(**kwargs)
-    except TypeError:  # torch < 2.3 has no device_id
-        kwargs.pop("device_id", None)
-        dist.init_process_group(**kwargs)
+        try:
+            dist.init_process_group(**kwargs)
+        except TypeError:  # torch < 2.3 has no device_id
+            kwargs.pop("device_id", None)
+            dist.init_process_group(**kwargs)
+    except RuntimeError as e:  # DistNetworkError, DistStoreError, ... (a busy port is the usual cause)
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise UserError(f"rank {rank} could not join the process group at {where}: "
+                        f"{str(e).splitlines()[0]}; if the port is in use (another run?), pick a free "
+                        "one: torchrun --master_port=PORT, or --standalone", exit_code=RUNTIME_EXIT) from None
     local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE") or 1
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
                     device=dev, distributed=True)
+
+
+def convert_sync_bn(model, enabled, device, verbose=True):
+    """--syncBN: every BatchNorm becomes SyncBatchNorm (statistics over the global batch).
+
+    PyTorch runs SyncBatchNorm on GPUs only, so on CPU the model keeps plain,
+    per-process BatchNorm and (if `verbose`, i.e. on rank 0) one warning says so.
+    """
+    if not enabled:
+        return model
+    if device.type == "cuda":
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if verbose:
+        print("warning: --syncBN True ignored: PyTorch's SyncBatchNorm needs CUDA GPUs; "
+              "continuing with per-process BatchNorm")
+    return model
 
 
 def is_dist_avail_and_initialized():
@@ -139,6 +161,15 @@ def any_rank(flag, device):
     """True on every rank if `flag` is true on at least one (one all-reduce)."""
     t = torch.tensor(1.0 if flag else 0.0, device=device)
     return bool(reduce_value(t, average=False).item() > 0)
+
+
+def gather_objects(obj):
+    """Every rank's Python object, as a list indexed by rank, on every rank; [obj] on one process."""
+    if not is_dist_avail_and_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_object(obj, src=0):

@@ -1,0 +1,153 @@
+"""Worker for tests/test_parallel_semantics.py: one launch checks several parallel properties.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/_ddp_worker.py OUT IMAGE_ROOT
+    python -m torch.distributed.run --nproc_per_node=2 tests/_ddp_worker.py OUT IMAGE_ROOT --syncbn-gpu
+
+Every rank runs the project's own code (init_distributed_mode, split_dataset,
+epoch_sampler, ShardSampler, make_loader, DDP, fit, evaluate) and writes what
+it saw to OUT/rank<R>.json; the test compares ranks with each other and with
+single-process runs of the same functions (imported from this file).
+Not a product file: the template never imports it.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from data import ShardSampler, build_datasets, epoch_sampler, make_loader, split_dataset  # noqa: E402
+from model import build_model  # noqa: E402
+from utils.config import load_config  # noqa: E402
+from utils.distributed_utils import DistInfo, cleanup, convert_sync_bn, init_distributed_mode  # noqa: E402
+from utils.engine import evaluate, fit  # noqa: E402
+
+PER_RANK_BATCH = 2      # DDP batch per process in the gradient test; the single run uses world x this
+TRAIN_LR = 0.05         # optim.lr of the DDP run; scale_lr makes it world x this
+TINY_TRAIN, TINY_VAL = 24, 7   # 24 = whole steps for world 2 and 3; 7 val samples: not divisible by either
+EVAL_BATCHES = (1, 4)   # batch 1: each logit computed alone, so losses compare to float64 rounding
+
+
+class TinyNet(nn.Sequential):
+    """Conv net with GroupNorm: no batch statistics, so a sample's gradient does not depend on
+    which other samples share its batch. With BatchNorm each DDP rank normalises over its own
+    b samples, by design not over 2b, and "DDP == one big batch" would not hold exactly."""
+
+    def __init__(self, num_classes=5):
+        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
+
+
+class RecordingSet(Dataset):
+    """Fixed tensors (no random augmentation, which is seeded per rank) that log each index read."""
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.arange(n) % 5
+        self.images = torch.randn(n, 3, 12, 12, generator=g) + self.labels.view(-1, 1, 1, 1) * 0.3
+        self.seen = []
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        self.seen.append(int(i))
+        return self.images[i], int(self.labels[i])
+
+
+def fit_tiny(dist_info, run_dir, batch_size, lr, epochs=2):
+    """The project's fit() on TinyNet, DDP-wrapped when distributed; returns what the ranks saw."""
+    cfg = load_config(["--device", "cpu", "data.num_workers=0", f"train.epochs={epochs}",
+                       f"train.batch_size={batch_size}", f"optim.lr={lr}", "optim.scale_lr=true",
+                       "train.log_every=2", "--output-dir", str(run_dir)])
+    world, rank, device = dist_info.world_size, dist_info.rank, dist_info.device
+    train_set, val_set = RecordingSet(TINY_TRAIN, seed=1), RecordingSet(TINY_VAL, seed=2)
+    train_loader = make_loader(train_set, batch_size, epoch_sampler(train_set, cfg.train.seed, world, rank),
+                               cfg.data, device, train=True)
+    val_loader = make_loader(val_set, batch_size, ShardSampler(val_set, world, rank), cfg.data, device,
+                             train=False)
+    torch.manual_seed(cfg.train.seed)
+    model = TinyNet().to(device)
+    if dist_info.distributed:
+        model = DDP(model)
+    result = fit(cfg, model, train_loader, val_loader, [str(c) for c in range(5)], dist_info, script_name="t")
+    return {"seen": train_set.seen, "steps_per_epoch": len(train_loader), "last": result["last"]}
+
+
+def eval_fixed(dist_info, image_root):
+    """evaluate() of one fixed resnet18 on the validation split, sharded as train_multi_gpu_ddp.py does,
+    at each of EVAL_BATCHES."""
+    cfg = load_config(["--device", "cpu", "model.name=resnet18", "data.img_size=32", "data.val_resize=36",
+                       "data.num_workers=0", "--data-path", str(image_root)])
+    world, rank, device = dist_info.world_size, dist_info.rank, dist_info.device
+    _, val_set, classes = build_datasets(cfg.data)
+    torch.manual_seed(0)  # the same weights in every process (DDP would broadcast rank 0's anyway)
+    model = build_model(cfg.model, len(classes), device, verbose=False)
+    if dist_info.distributed:
+        model = DDP(model)
+    results = {}
+    for batch in EVAL_BATCHES:
+        loader = make_loader(val_set, batch, ShardSampler(val_set, world, rank), cfg.data, device, train=False)
+        out = evaluate(model, loader, device, len(classes))
+        out.pop("val_seconds")
+        results[str(batch)] = {**out, "val_size": len(val_set)}
+    return results
+
+
+def split_and_shards(dist_info, image_root):
+    """This rank's view of the split and of its training shards in epochs 0, 1 and 0 again."""
+    split = split_dataset(image_root, 0.2, 0)
+    world, rank = dist_info.world_size, dist_info.rank
+    shards = []
+    for epoch in (0, 1, 0):
+        sampler = epoch_sampler(split.train, 0, world, rank)  # a fresh sampler: reproducible from the seed
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return {"classes": split.classes, "train": split.train, "val": split.val, "n_train": len(split.train),
+            "shards": shards}
+
+
+def syncbn_gpu(dist_info):
+    """Two processes share one GPU over gloo (NCCL refuses two ranks on one device)."""
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    global_batch = torch.randn(4, 3, 5, 5, device=device) * 2 + 1   # the same 4 samples on every rank
+    bn = convert_sync_bn(nn.Sequential(nn.BatchNorm2d(3)), True, device).to(device)
+    mine = global_batch[2 * dist_info.rank: 2 * dist_info.rank + 2].clone().requires_grad_()
+    out = bn(mine)
+    out.square().sum().backward()
+    resnet = convert_sync_bn(build_model(load_config(["model.name=resnet34"]).model, 5, device, verbose=False),
+                             True, device)
+    return {"out": out.detach().cpu().tolist(), "grad_in": mine.grad.cpu().tolist(),
+            "running_mean": bn[0].running_mean.cpu().tolist(), "running_var": bn[0].running_var.cpu().tolist(),
+            "resnet34_sync_bn": sum(isinstance(m, nn.SyncBatchNorm) for m in resnet.modules()),
+            "resnet34_plain_bn": sum(type(m) is nn.BatchNorm2d for m in resnet.modules())}
+
+
+def main(argv):
+    out, image_root = Path(argv[0]), argv[1]
+    # A short timeout turns a collective that only some ranks reach into a failure, not a hang.
+    dist_info = init_distributed_mode("cpu", timeout_minutes=1)
+    try:
+        if "--syncbn-gpu" in argv:
+            report = syncbn_gpu(dist_info)
+        else:
+            report = {
+                "rank": dist_info.rank, "world_size": dist_info.world_size,
+                "split": split_and_shards(dist_info, image_root),
+                "eval": eval_fixed(dist_info, image_root),
+                "fit": fit_tiny(dist_info, out / "fit", PER_RANK_BATCH, TRAIN_LR),
+            }
+    finally:
+        cleanup()
+    (out / f"rank{dist_info.rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,125 @@
+"""Unit tests of utils/distributed_utils.py, no processes launched (the launches are in
+tests/test_parallel_semantics.py).
+
+    python -m pytest tests/test_distributed_utils.py -q
+
+Launch environment (torchrun and SLURM variables), SyncBN conversion as the
+DDP script does it, and a check that no collective sits under a rank guard.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO
+from model import create_model
+from utils import distributed_utils as du
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+               "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """No launcher variables; whatever the code under test sets in os.environ is undone afterwards."""
+    for name in LAUNCH_VARS:
+        monkeypatch.setenv(name, "x")  # recorded first, so the delenv below is undone to "absent"
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_read_launch_env_torchrun_and_slurm(env):
+    assert du.read_launch_env() is None
+    for name, value in {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}.items():
+        env.setenv(name, value)
+    assert du.read_launch_env() == (3, 8, 1)
+    # torchrun inside an srun allocation: torchrun's own variables describe the process.
+    for name, value in {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "2"}.items():
+        env.setenv(name, value)
+    assert du.read_launch_env() == (5, 16, 2)
+
+
+def test_init_distributed_mode_under_slurm(env):
+    """srun without torchrun: rank, world and local rank from SLURM_*, gloo on CPU, a default master."""
+    for name, value in {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                        "SLURM_NTASKS_PER_NODE": "4"}.items():
+        env.setenv(name, value)
+    joined = {}
+    env.setattr(du.dist, "init_process_group", lambda **kw: joined.update(kw))
+    info = du.init_distributed_mode("cpu")
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 8, 1, 4)
+    assert info.distributed and info.device == torch.device("cpu")
+    assert (joined["backend"], joined["rank"], joined["world_size"]) == ("gloo", 3, 8)
+    assert du.os.environ["MASTER_ADDR"] == "127.0.0.1" and du.os.environ["MASTER_PORT"] == "29500"
+
+
+def test_no_launcher_means_one_process(env):
+    info = du.init_distributed_mode("cpu")
+    assert (info.rank, info.world_size, info.distributed) == (0, 1, False)
+
+
+def count(model, kind):
+    return sum(type(m) is kind for m in model.modules())
+
+
+def test_sync_bn_converts_every_batchnorm_of_resnet34():
+    """What `--syncBN True` does on CUDA: every BatchNorm2d of ResNet34 (36 of them) becomes a
+    SyncBatchNorm with the same weights. The conversion itself needs no GPU."""
+    model = create_model("resnet34", num_classes=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    n_bn = count(model, nn.BatchNorm2d)
+    assert n_bn == 36  # stem 1 + 16 basic blocks x 2 + 3 downsample projections
+    converted = du.convert_sync_bn(model, True, torch.device("cuda", 0))
+    assert count(converted, nn.SyncBatchNorm) == n_bn and count(converted, nn.BatchNorm2d) == 0
+    after = converted.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_sync_bn_on_cpu_warns_once_and_keeps_batchnorm(capsys):
+    model = create_model("resnet18", num_classes=5)
+    assert du.convert_sync_bn(model, True, torch.device("cpu"), verbose=True) is model
+    assert du.convert_sync_bn(model, True, torch.device("cpu"), verbose=False) is model  # rank 1..
+    assert du.convert_sync_bn(model, False, torch.device("cuda", 0)) is model             # --syncBN False
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: --syncBN True ignored"), lines
+    assert count(model, nn.SyncBatchNorm) == 0
+
+
+# Calls that every rank must make. A call to one of these under `if <rank test>:` runs on some
+# ranks only: the others never join, and the job hangs or mixes up the next collective.
+COLLECTIVES = {"reduce_value", "reduce_min", "any_rank", "broadcast_object", "gather_objects", "barrier",
+               "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "reduce", "gather", "scatter", "reduce_scatter", "all_to_all",
+               "init_process_group", "destroy_process_group", "cleanup"}
+RANK_WORDS = ("rank", "main", "is_main_process", "master")
+
+
+def collectives_under_rank_guard(source, filename="<src>"):
+    """[(line, call)] for each collective called in a branch of an `if`/`x if c else y` on the rank."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, (ast.If, ast.IfExp)):
+            continue
+        test = ast.unparse(node.test)
+        if not any(word in test for word in RANK_WORDS):
+            continue
+        branches = (node.body + node.orelse) if isinstance(node, ast.If) else [node.body, node.orelse]
+        for branch in branches:
+            for sub in ast.walk(branch):
+                if isinstance(sub, ast.Call):
+                    name = getattr(sub.func, "attr", None) or getattr(sub.func, "id", None)
+                    if name in COLLECTIVES:
+                        found.append((sub.lineno, name))
+    return found
+
+
+def test_no_collective_under_a_rank_guard():
+    files = sorted(REPO.glob("*.py")) + sorted((REPO / "utils").glob("*.py"))
+    assert len(files) >= 8
+    bad = {f.name: hits for f in files if (hits := collectives_under_rank_guard(f.read_text(), str(f)))}
+    assert not bad, f"collectives called on some ranks only: {bad}"
+    # The check does catch the classic mistake.
+    broken = "if is_main_process():\n    total = reduce_value(total)\nx = y if rank == 0 else barrier()\n"
+    assert collectives_under_rank_guard(broken) == [(2, "reduce_value"), (3, "barrier")]
