@@ -7,17 +7,32 @@ Two layouts are accepted under `data.path`:
 
 The split is per class and driven by its own seeded generator, so it is the
 same on every rank and every run and never touches the global RNG.
+
+Real folders are messy. Hidden and non-image files are ignored (and counted);
+a class folder without images is skipped with a warning. An image that cannot
+be decoded (zero bytes, truncated, not an image, over data.max_image_pixels)
+is replaced by the next readable one, warned about once with its path and
+counted as `bad_images` in metrics.jsonl; data.bad_image=error stops instead,
+and data.verify=true decodes every image once before training.
 """
 import os
-from dataclasses import dataclass
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
-from utils.errors import UserError
+from utils.distributed_utils import gather_objects, get_rank, get_world_size, is_main_process
+from utils.errors import RUNTIME_EXIT, BadImageError, UserError
+
+# PIL's own decompression-bomb check warns or fails without naming the file;
+# load_rgb applies data.max_image_pixels itself, with the path in the message.
+Image.MAX_IMAGE_PIXELS = None
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -29,6 +44,7 @@ class Split:
     classes: list          # index -> class name, sorted
     train: list            # [(path, label), ...]
     val: list
+    ignored: list = field(default_factory=list)   # hidden and non-image files found under the root
 
 
 def is_image_file(path):
@@ -40,18 +56,40 @@ def _class_dirs(root):
     return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
 
 
-def _images_in(folder):
+def warn(msg):
+    """A data warning, printed by rank 0 only (every rank reads the same folders)."""
+    if is_main_process():
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _images_in(folder, ignored=None):
+    """Image files under `folder` (symlinks followed); everything else goes to `ignored`."""
+    images, ignored = [], ignored if ignored is not None else []
+    for dirpath, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .ipynb_checkpoints, .git, ...
+        for f in files:
+            (images if is_image_file(f) else ignored).append(str(Path(dirpath) / f))
     # Sorted so the list, and therefore the split, does not depend on the filesystem's order.
-    return sorted(str(Path(dirpath) / f)
-                  for dirpath, _, files in os.walk(folder, followlinks=True)
-                  for f in files if is_image_file(f))
+    return sorted(images)
 
 
-def _scan(root, classes):
+def _scan(root, classes, ignored):
     samples = []
     for label, name in enumerate(classes):
-        samples.extend((p, label) for p in _images_in(Path(root) / name))
+        samples.extend((p, label) for p in _images_in(Path(root) / name, ignored))
     return samples
+
+
+def _non_empty_classes(root, names):
+    """Class folders holding at least one image; an empty one is skipped, with a warning."""
+    kept = []
+    for name in names:
+        if _images_in(Path(root) / name):
+            kept.append(name)
+        else:
+            warn(f"class folder '{Path(root) / name}' holds no images (.jpg/.jpeg/.png...); "
+                 "skipped, it is not a class")
+    return kept
 
 
 def split_dataset(root, val_rate=0.2, split_seed=0):
@@ -61,26 +99,42 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
         raise UserError(f"data path '{root}' does not exist or is not a folder; "
                         "set --data-path (or data.demo=true to generate the demo set there)")
     top = _class_dirs(root)
+    ignored = [str(root / f) for f in os.listdir(root) if (root / f).is_file()]
     if top == ["train", "val"]:
-        classes = _class_dirs(root / "train")
-        if _class_dirs(root / "val") != classes:
+        if _class_dirs(root / "val") != _class_dirs(root / "train"):
             raise UserError(f"'{root}/train' and '{root}/val' must hold the same class folders")
-        split = Split(classes, _scan(root / "train", classes), _scan(root / "val", classes))
+        classes = _non_empty_classes(root / "train", _class_dirs(root / "train"))
+        split = Split(classes, _scan(root / "train", classes, ignored), _scan(root / "val", classes, ignored))
     else:
-        classes = top
+        classes = _non_empty_classes(root, top)
         split = Split(classes, [], [])
         gen = torch.Generator().manual_seed(split_seed)
         for label, name in enumerate(classes):
-            files = _images_in(root / name)
+            files = _images_in(root / name, ignored)
             order = torch.randperm(len(files), generator=gen).tolist()
             n_val = int(round(len(files) * val_rate))
+            if n_val == len(files):
+                raise UserError(f"class '{name}' has {len(files)} image(s) and data.val_rate={val_rate} "
+                                "puts all of them in validation, none in training; lower data.val_rate "
+                                "or add images")
+            if n_val == 0 and val_rate > 0:
+                warn(f"class '{name}' has {len(files)} image(s): data.val_rate={val_rate} leaves it "
+                     "no validation image, so val_acc does not measure it")
             for i, idx in enumerate(order):
                 (split.val if i < n_val else split.train).append((files[idx], label))
+    if not classes and ignored:
+        raise UserError(f"data path '{root}' holds files but no class folders; put each class's "
+                        "images in its own sub-folder (flower_photos/daisy/*.jpg, ...)")
     if len(classes) < 2:
-        raise UserError(f"data path '{root}' holds {len(classes)} class folder(s); "
+        raise UserError(f"data path '{root}' holds {len(classes)} class folder(s) with images; "
                         "a classifier needs at least 2 (one sub-folder of images per class)")
     if not split.train:
         raise UserError(f"no training images (.jpg/.jpeg/.png) found under '{root}'")
+    split.ignored = ignored
+    if ignored:
+        hidden = sum(os.path.basename(p).startswith(".") for p in ignored)
+        warn(f"ignored {len(ignored)} file(s) under '{root}' that are not images "
+             f"({hidden} hidden), e.g. '{ignored[0]}'")
     return split
 
 
@@ -101,27 +155,128 @@ def build_transforms(img_size, val_resize, min_crop_scale=0.08):
     return train, val
 
 
-def load_rgb(path):
-    with Image.open(path) as img:
-        return img.convert("RGB")
+class BadImage(Exception):
+    """A file that cannot be decoded into an image; the message names it and says why."""
+
+
+def to_rgb(img):
+    """Any PIL mode -> 8-bit RGB (CMYK, RGBA, L, P, 16-bit grey, ...)."""
+    if img.mode.startswith("I"):
+        # 16-bit grey: convert("RGB") would clip every value over 255 to white; scale instead.
+        arr = np.asarray(img).astype(np.int64).clip(0, 65535)
+        if img.mode != "I" or arr.max() > 255:
+            arr = arr >> 8
+        img = Image.fromarray(arr.astype(np.uint8), "L")
+    elif img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")  # PIL warns on P + transparency -> RGB; this way is silent
+    return img.convert("RGB")
+
+
+def load_rgb(path, max_pixels=0):
+    """Decode `path` to RGB; raise BadImage naming the file if it cannot be decoded."""
+    try:
+        if os.path.getsize(path) == 0:
+            raise BadImage(f"'{path}' is empty (0 bytes)")
+        with Image.open(path) as img:  # reads the header only
+            w, h = img.size
+            if max_pixels and w * h > max_pixels:
+                raise BadImage(f"'{path}' is {w}x{h} = {w * h} pixels, over data.max_image_pixels="
+                               f"{max_pixels} (a decompression-bomb guard); raise it if you trust the file")
+            return to_rgb(img)
+    except BadImage:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever PIL raises on a broken file is the file's fault
+        why = (str(e).splitlines() or [type(e).__name__])[0].replace(f" '{path}'", "")
+        raise BadImage(f"cannot decode '{path}': {why}") from None
 
 
 class ImageList(Dataset):
-    """(path, label) pairs -> (tensor, label); any image mode becomes RGB."""
+    """(path, label) pairs -> (tensor, label); any image mode becomes RGB.
 
-    def __init__(self, samples, transform=None):
+    An unreadable image is replaced by the next readable one (same index ->
+    same substitute, so batch sizes, step counts and DDP shards stay equal),
+    or raises BadImageError with bad_image="error". Which files are bad is kept
+    in a shared-memory tensor, so what DataLoader workers find reaches the
+    main process (see sync_bad_images); 0 = not known bad, 1 = bad, 2 = bad and
+    reported. Rank 0 warns at once; other ranks' finds are reported at epoch end.
+    """
+
+    def __init__(self, samples, transform=None, bad_image="warn", max_pixels=0, known_bad=0):
         self.samples = samples
         self.transform = transform
+        self.bad_image = bad_image
+        self.max_pixels = max_pixels
+        self.known_bad = known_bad  # removed before training by data.verify; counted in bad_images
+        self.report_now = is_main_process()
+        self.bad = torch.zeros(max(len(samples), 1), dtype=torch.uint8).share_memory_()
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, index):
-        path, label = self.samples[index]
-        img = load_rgb(path)
-        if self.transform is not None:
-            img = self.transform(img)
-        return img, label
+        n = len(self.samples)
+        for i in range(index, index + n):
+            i %= n
+            if self.bad[i]:
+                continue
+            path, label = self.samples[i]
+            try:
+                img = load_rgb(path, self.max_pixels)
+            except BadImage as e:
+                if self.bad_image == "error":
+                    raise BadImageError(f"{e}; fix or remove it, or set data.bad_image=warn to skip "
+                                        "unreadable images") from None
+                self.bad[i] = 2 if self.report_now else 1
+                if self.report_now:
+                    print(f"warning: skipping unreadable image: {e}", file=sys.stderr, flush=True)
+                continue
+            if self.transform is not None:
+                img = self.transform(img)
+            return img, label
+        raise UserError(f"none of the {n} images could be read (see the warnings above)", RUNTIME_EXIT)
+
+
+def sync_bad_images(*datasets):
+    """The number of unreadable files found so far, over all ranks and loader workers.
+
+    A collective: every rank calls it (fit does, after each epoch). Rank 0
+    warns about the files only other ranks met; all ranks then skip them.
+    """
+    total = 0
+    for ds in datasets:
+        flags = getattr(ds, "bad", None)
+        if flags is None:
+            continue
+        found = sorted(set().union(*gather_objects(flags.nonzero().flatten().tolist())))
+        for i in found:
+            if flags[i] != 2 and ds.report_now:
+                try:
+                    load_rgb(ds.samples[i][0], ds.max_pixels)
+                except BadImage as e:
+                    print(f"warning: skipping unreadable image: {e}", file=sys.stderr, flush=True)
+        flags[found] = 2
+        total += len(found) + ds.known_bad
+    return total
+
+
+def _check_file(path, max_pixels):
+    try:
+        load_rgb(path, max_pixels)
+        return None
+    except BadImage as e:
+        return path, str(e)
+
+
+def verify_images(paths, max_pixels):
+    """Decode every image once (data.verify); return (path, why) of the unreadable ones.
+
+    Each rank checks a disjoint share with a few threads (PIL releases the GIL
+    while decoding) and all ranks get the full list.
+    """
+    mine = paths[get_rank()::get_world_size()]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        bad = [m for m in pool.map(_check_file, mine, [max_pixels] * len(mine)) if m]
+    return sorted(m for part in gather_objects(bad) for m in part)
 
 
 def build_datasets(data_cfg):
@@ -130,8 +285,25 @@ def build_datasets(data_cfg):
         from utils.demo_dataset import ensure_demo_dataset
         ensure_demo_dataset(data_cfg.path, images_per_class=data_cfg.demo_images_per_class)
     split = split_dataset(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
+    known_bad = 0
+    if data_cfg.verify:
+        bad = verify_images([p for p, _ in split.train + split.val], data_cfg.max_image_pixels)
+        for _, why in bad:
+            warn(f"verify: {why}")
+        if bad and data_cfg.bad_image == "error":
+            raise BadImageError(f"data.verify found {len(bad)} unreadable image(s), listed above; fix or "
+                                "remove them, or set data.bad_image=warn to skip them")
+        if is_main_process():
+            print(f"verify: {len(split.train) + len(split.val)} images checked, {len(bad)} unreadable"
+                  + (" (skipped)" if bad else ""), flush=True)
+        bad_paths = {path for path, _ in bad}
+        split.train = [s for s in split.train if s[0] not in bad_paths]
+        split.val = [s for s in split.val if s[0] not in bad_paths]
+        known_bad = len(bad)
     train_tf, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
-    return ImageList(split.train, train_tf), ImageList(split.val, val_tf), split.classes
+    opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels)
+    return (ImageList(split.train, train_tf, known_bad=known_bad, **opts), ImageList(split.val, val_tf, **opts),
+            split.classes)
 
 
 def epoch_sampler(dataset, seed, num_replicas=1, rank=0):

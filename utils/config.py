@@ -38,6 +38,9 @@ class DataConfig:
     pin_memory: bool = True
     demo: bool = False
     demo_images_per_class: int = 60
+    bad_image: str = "warn"
+    verify: bool = False
+    max_image_pixels: int = 178956970
 
 
 @dataclass
@@ -99,6 +102,7 @@ CLASSIC_FLAGS = {
 CHOICES = {
     "model.name": ("resnet18", "resnet34", "resnet50"),
     "train.amp": ("auto", "bf16", "fp16", "off"),
+    "data.bad_image": ("warn", "error"),
 }
 
 
@@ -191,7 +195,8 @@ def _check_ranges(cfg):
 
 def load_config(argv=None, description=""):
     """Parse argv into a validated, read-only DictConfig."""
-    args = build_arg_parser(description).parse_args(argv)
+    # Intermixed: key=value overrides may sit before, between or after the flags.
+    args = build_arg_parser(description).parse_intermixed_args(argv)
     schema = OmegaConf.structured(Config)
     dotlist = []
     for flag, key in CLASSIC_FLAGS.items():

@@ -8,6 +8,7 @@ Per step nothing is copied back to the host: losses are summed on the device
 and read once per `train.log_every` steps, where a NaN/inf is also caught.
 """
 import math
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from data import sync_bad_images
 from utils import checkpoint as ckpt
 from utils.config import config_to_dict
 from utils.distributed_utils import DistInfo, any_rank, broadcast_object, reduce_min, reduce_value
@@ -148,6 +150,18 @@ def _check_run_dir(run_dir, resuming):
                         "--resume auto, or choose another --output-dir")
 
 
+def _check_writable(run_dir):
+    """A run directory that cannot be written fails now, not at the end of the first epoch."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output directory '{run_dir}' is not writable ({e.strerror or e}); "
+                        "choose another --output-dir") from None
+
+
 def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, script_name):
     """Train for cfg.train.epochs, evaluating, logging and checkpointing after each epoch.
 
@@ -160,6 +174,7 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     resume_path = ckpt.find_resume_path(cfg.resume, run_dir)
     if main:
         _check_run_dir(run_dir, resuming=resume_path is not None)
+        _check_writable(run_dir)
 
     bare = ckpt.unwrap(model)
     amp_dtype = resolve_amp(cfg.train.amp, device)
@@ -198,6 +213,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
             global_step = train.pop("global_step")
             val = evaluate(model, val_loader, device, len(classes), amp_dtype=amp_dtype,
                            channels_last=channels_last, logger=logger)
+            # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
+            val["bad_images"] = sync_bad_images(train_loader.dataset, val_loader.dataset)
             is_best = val["val_acc"] > best_acc
             best_acc = max(best_acc, val["val_acc"])
             save_error = None

@@ -21,6 +21,30 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
+class BadImageError(UserError):
+    """An image file that cannot be decoded while data.bad_image=error: a runtime failure.
+
+    Raised in a DataLoader worker it reaches the main process rebuilt from its
+    class and text alone, so the exit code must be the class's default.
+    """
+
+    def __init__(self, message, exit_code=RUNTIME_EXIT):
+        super().__init__(message, exit_code)
+
+
+def one_line(e):
+    """The message of a UserError, also when a DataLoader worker raised it.
+
+    The loader re-raises a worker's exception as the same class with a text of
+    "Caught X in DataLoader worker process N. Original Traceback ...", whose
+    last line is "module.X: message".
+    """
+    msg = str(e)
+    if "Original Traceback" in msg:
+        msg = msg.rstrip().splitlines()[-1].split(": ", 1)[-1]
+    return msg
+
+
 def debug_enabled():
     return os.environ.get("TRAIN_DEBUG", "0").lower() not in ("", "0", "false", "no")
 
@@ -37,7 +61,7 @@ def cli_entry(main):
                 traceback.print_exc()
             # Every rank may hit the same error; one line per process is still
             # one line per cause, and the exit code makes torchrun stop the group.
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)

@@ -1,0 +1,163 @@
+"""Bad configs and command lines fed to the real entry scripts (README: "What happens when...").
+
+    python -m pytest tests/test_bad_config.py -q
+
+Every failing case points --output-dir at a finished run and checks the
+contract: its exit code (2 usage/config, 1 runtime), exactly one `error:` line
+naming the culprit, no traceback, and the earlier run's files untouched.
+Most cases call the scripts' main() in this process (fast); a few run the
+real CLI and torchrun in a subprocess.
+"""
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+import train_multi_gpu_ddp
+import train_multi_gpu_dp
+from bad_files import call_main, error_line, tree_hash
+from conftest import FAST_ARGS, REPO, free_port, make_image_folder
+
+# FAST_ARGS with epochs and batch size as classic flags: a dotted override would win over
+# the --epochs / --batch-size a case passes after them.
+ARGS = [a for a in FAST_ARGS if not a.startswith(("train.epochs=", "train.batch_size="))] + [
+    "--epochs", "1", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory):
+    """A finished one-epoch resnet18 run on 5 classes: what no later mistake may damage."""
+    base = tmp_path_factory.mktemp("earlier")
+    root = make_image_folder(base / "flowers")
+    run = base / "run"
+    code, out, err = call_main(train.main, ARGS + ["--data-path", root, "--output-dir", run])
+    assert code == 0, (out + err)[-3000:]
+    return {"root": root, "run": run, "base": base}
+
+
+def _yaml(base, text):
+    path = base / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def _foreign_weights(base):
+    path = base / "foreign.pth"
+    torch.save(torch.nn.Linear(3, 4).state_dict(), path)
+    return path
+
+
+def _four_classes(base):
+    return make_image_folder(base / "four", classes=("daisy", "roses", "sunflowers", "tulips"))
+
+
+def _file_in_the_way(base):
+    (base / "a_file").write_text("not a folder")
+    return base / "a_file" / "run"
+
+
+# case -> (extra args given the earlier run, expected exit code, text the error line must hold;
+# the resume cases give a regex: the checkpoint's wording differs between versions of checkpoint.py)
+CASES = {
+    "unknown_key": (lambda e: ["optim.lrr=0.1"], 2, "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+    "wrong_type": (lambda e: ["--epochs", "abc"], 2, "'train.epochs'"),
+    "malformed_yaml": (lambda e: ["--config", _yaml(e["base"], "train:\n  epochs: 3\n   batch_size: [4\n")],
+                       2, "line 3"),
+    "config_missing": (lambda e: ["--config", e["base"] / "nope.yaml"], 2, "nope.yaml' does not exist"),
+    "batch_size_zero": (lambda e: ["--batch-size", "0"], 2, "'train.batch_size': 0"),
+    "batch_size_negative": (lambda e: ["--batch-size", "-3"], 2, "'train.batch_size': -3"),
+    "epochs_zero": (lambda e: ["--epochs", "0"], 2, "'train.epochs': 0"),
+    "bad_image_not_a_choice": (lambda e: ["data.bad_image=ignore"], 2, "choose one of warn, error"),
+    "not_key_value": (lambda e: ["optim.lr"], 2, "not a key=value override"),
+    "weights_missing": (lambda e: ["--weights", e["base"] / "nope.pth"], 2, "nope.pth' does not exist"),
+    "weights_nothing_fits": (lambda e: ["--weights", _foreign_weights(e["base"])], 2, "has no tensor that fits"),
+    "run_dir_exists_without_resume": (lambda e: [], 2, "already holds a run"),
+    "resume_another_model": (lambda e: ["--resume", "auto", "model.name=resnet34"], 2,
+                             r"checkpoint (is a resnet18, this run builds a resnet34|is for another model)"),
+    "resume_another_class_count": (lambda e: ["--resume", "auto", "--data-path", _four_classes(e["base"])],
+                                   2, r"checkpoint (has 5 classes|classes .* differ)"),
+    "output_dir_not_writable": (lambda e: ["--output-dir", _file_in_the_way(e["base"])], 2, "is not writable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_config_is_one_line_and_damages_nothing(earlier, case):
+    extra, code_expected, needle = CASES[case]
+    before = tree_hash(earlier["run"])
+    args = ARGS + ["--data-path", earlier["root"], "--output-dir", earlier["run"], *extra(earlier)]
+    code, out, err = call_main(train.main, args)
+    line = error_line(code, out, err, code_expected)
+    assert needle in line or (needle.startswith("checkpoint (") and re.search(needle, line)), line
+    assert tree_hash(earlier["run"]) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda(earlier):
+    before = tree_hash(earlier["run"])
+    code, out, err = call_main(train.main, ARGS + ["--data-path", earlier["root"], "--device", "cuda"])
+    assert "--device cuda asked for CUDA" in error_line(code, out, err, 2)
+    assert tree_hash(earlier["run"]) == before
+
+
+def test_dp_global_batch_smaller_than_gpus(earlier, monkeypatch):
+    """4 GPUs simulated on CPU: the check runs before any CUDA call."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    args = ARGS + ["--device", "auto", "--batch-size", "2", "--data-path", earlier["root"]]
+    code, out, err = call_main(train_multi_gpu_dp.main, args)
+    assert "--batch-size 2 is smaller than the 4 GPUs" in error_line(code, out, err, 2)
+
+
+def test_weights_of_another_architecture_load_what_fits_and_report(earlier, tmp_path):
+    """resnet18 weights into a resnet34: the shared tensors load, the report says what did not."""
+    code, out, err = call_main(train.main, ARGS + [
+        "--data-path", earlier["root"], "--output-dir", tmp_path / "run", "model.name=resnet34",
+        "--weights", earlier["run"] / "checkpoints" / "last.pt"])
+    assert code == 0, (out + err)[-3000:]
+    assert "loaded " in out and "kept initial values" in out, out
+
+
+def test_train_debug_shows_the_traceback(earlier, monkeypatch):
+    monkeypatch.setenv("TRAIN_DEBUG", "1")
+    code, out, err = call_main(train.main, ARGS + ["optim.lrr=0.1"])
+    assert code == 2 and "Traceback" in err and "error: unknown config key 'optim.lrr'" in err
+
+
+@pytest.fixture
+def held_port():
+    """A port some other program is listening on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_ddp_busy_master_port_without_torchrun_is_one_line(earlier, held_port, monkeypatch):
+    """srun-style launch (SLURM variables, no torchrun): our own process-group setup meets the busy port."""
+    for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held_port)}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    code, out, err = call_main(train_multi_gpu_ddp.main, ARGS + ["--data-path", earlier["root"]])
+    line = error_line(code, out, err, 1)
+    assert f"127.0.0.1:{held_port}" in line and "in use" in line
+
+
+@pytest.mark.slow
+def test_torchrun_busy_master_port_fails_fast(tmp_path, held_port):
+    """torchrun itself binds --master_port before our script starts: it must fail in seconds, not hang."""
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        "--master_addr=127.0.0.1", f"--master_port={held_port}",
+                        str(REPO / "train_multi_gpu_ddp.py"), *FAST_ARGS, "--output-dir", tmp_path / "run"],
+                       capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert r.returncode != 0
+    assert "address already in use" in (r.stdout + r.stderr)
+    assert time.monotonic() - start < 120
+    assert not (tmp_path / "run").exists()
