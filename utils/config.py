@@ -215,6 +215,10 @@ def load_config(argv=None, description=""):
         cfg = OmegaConf.merge(*layers)
     except OmegaConfBaseException as e:
         raise UserError(_describe(e, schema)) from None
+    # YAML 1.1 reads a bare `off` (train.amp=off, or `amp: off` in a file) as the bool false,
+    # which the str field then holds as "False"; both spellings mean no autocast.
+    if cfg.train.amp == "False":
+        cfg.train.amp = "off"
     _check_ranges(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

@@ -1,0 +1,208 @@
+"""The typed config: classic flags, dotted overrides, precedence, bool parsing,
+one-line errors from the real script, and configs/default.yaml against the schema.
+
+    python -m pytest tests/test_config.py -q
+"""
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+import utils.config as config
+from conftest import REPO
+from utils.config import Config, load_config
+from utils.errors import UserError
+
+DEFAULT_YAML = REPO / "configs" / "default.yaml"
+
+
+# --------------------------------------------------------------------------- classic flags
+
+@pytest.mark.parametrize("flag, value, key, expected", [
+    ("--epochs", "3", "train.epochs", 3),
+    ("--batch-size", "8", "train.batch_size", 8),
+    ("--lr", "0.05", "optim.lr", 0.05),
+    ("--lrf", "0.2", "optim.lrf", 0.2),
+    ("--syncBN", "True", "model.sync_bn", True),
+    ("--weights", "resnet34-pre.pth", "model.weights", "resnet34-pre.pth"),
+    ("--freeze-layers", "True", "model.freeze_layers", True),
+    ("--data-path", "/data/flower_photos", "data.path", "/data/flower_photos"),
+    ("--device", "cpu", "train.device", "cpu"),
+    ("--output-dir", "runs/mine", "output_dir", "runs/mine"),
+])
+def test_classic_flag_lands_on_its_key(flag, value, key, expected):
+    default = OmegaConf.select(load_config([]), key)
+    assert default != expected  # otherwise the test could not tell the flag was ignored
+    cfg = load_config([flag, value])
+    got = OmegaConf.select(cfg, key)
+    assert got == expected and type(got) is type(expected)
+
+
+def test_dotted_overrides_set_nested_keys():
+    cfg = load_config(["optim.lr=0.003", "data.img_size=64", "model.name=resnet18",
+                       "train.amp=off", "optim.warmup_epochs=0.5", "data.pin_memory=false"])
+    assert cfg.optim.lr == 0.003
+    assert cfg.data.img_size == 64
+    assert cfg.model.name == "resnet18"
+    assert cfg.train.amp == "off"
+    assert cfg.optim.warmup_epochs == 0.5
+    assert cfg.data.pin_memory is False
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("True", True), ("False", False), ("true", True), ("false", False), ("1", True), ("0", False),
+])
+@pytest.mark.parametrize("flag, key", [("--syncBN", "model.sync_bn"), ("--freeze-layers", "model.freeze_layers")])
+def test_bool_flags_parse_every_spelling(tmp_path, flag, key, text, expected):
+    # A recipe holding the opposite value, so a flag that is ignored cannot pass.
+    section, name = key.split(".")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({section: {name: not expected}}))
+    cfg = load_config(["--config", str(recipe), flag, text])
+    assert OmegaConf.select(cfg, key) is expected
+
+
+def test_bool_dotted_override_false_really_is_false():
+    # The classic scripts' bug: argparse type=bool turns the string "False" into True.
+    assert load_config(["model.sync_bn=False"]).model.sync_bn is False
+    assert load_config(["--syncBN", "True", "model.sync_bn=False"]).model.sync_bn is False
+
+
+# --------------------------------------------------------------------------- precedence
+
+def test_precedence_default_yaml_then_file_then_flags_then_dotted(tmp_path, monkeypatch):
+    """schema < default.yaml < --config FILE < classic flags < dotted overrides, each layer visible."""
+    # A private default.yaml, so the schema -> default.yaml step is visible too.
+    default = yaml.safe_load(DEFAULT_YAML.read_text())
+    default["optim"]["momentum"] = 0.5
+    default["train"]["seed"] = 11
+    default["train"]["batch_size"] = 2
+    default_path = tmp_path / "default.yaml"
+    default_path.write_text(yaml.safe_dump(default))
+    monkeypatch.setattr(config, "DEFAULT_CONFIG", default_path)
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  seed: 12\n  batch_size: 3\n  epochs: 4\noptim:\n  lr: 0.4\n")
+
+    cfg = load_config(["--config", str(recipe), "--batch-size", "5", "--epochs", "6",
+                       "train.epochs=7"])
+    assert cfg.optim.weight_decay == Config().optim.weight_decay  # nobody set it: schema value
+    assert cfg.optim.momentum == 0.5     # default.yaml over the schema
+    assert cfg.train.seed == 12          # --config over default.yaml
+    assert cfg.optim.lr == 0.4           # --config over default.yaml
+    assert cfg.train.batch_size == 5     # flag over --config
+    assert cfg.train.epochs == 7         # dotted over flag over --config
+
+    # Dotted wins whatever the order on the command line.
+    cfg = load_config(["train.epochs=7", "--epochs", "6"])
+    assert cfg.train.epochs == 7
+
+
+def test_amp_off_survives_yaml_reading_off_as_false(tmp_path):
+    # YAML 1.1 turns a bare `off` into the bool false; the documented value must still work.
+    assert load_config(["train.amp=off"]).train.amp == "off"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  amp: off\n")
+    assert load_config(["--config", str(recipe)]).train.amp == "off"
+
+
+def test_config_is_read_only():
+    cfg = load_config([])
+    with pytest.raises(Exception):
+        cfg.train.epochs = 3
+
+
+# --------------------------------------------------------------------------- errors, in process
+
+@pytest.mark.parametrize("argv, key", [
+    (["--lr", "fast"], "optim.lr"),
+    (["--syncBN", "maybe"], "model.sync_bn"),
+    (["data.img_size=big"], "data.img_size"),
+    (["model.nmae=resnet18"], "model.nmae"),
+    (["optim.lrr=1"], "optim.lrr"),
+])
+def test_bad_value_or_key_names_the_key(argv, key):
+    with pytest.raises(UserError) as e:
+        load_config(argv)
+    assert f"'{key}'" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- errors, real script
+
+@pytest.fixture(scope="module")
+def bad_cli_runs(tmp_path_factory):
+    """`python train.py --epochs abc` and `python train.py optim.lrr=1`, run side by side."""
+    cwd = tmp_path_factory.mktemp("bad_cli")
+    cases = {"bad_type": ["--epochs", "abc"], "unknown_key": ["optim.lrr=1"]}
+    procs = {name: subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], cwd=cwd,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, argv in cases.items()}
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        out[name] = (p.returncode, stdout, stderr)
+    out["cwd_after"] = sorted(x.name for x in cwd.iterdir())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, key, extra", [
+    ("bad_type", "train.epochs", "abc"),
+    ("unknown_key", "optim.lrr", "did you mean 'optim.lr'"),
+])
+def test_script_stops_with_one_line_naming_the_key(bad_cli_runs, case, key, extra):
+    rc, stdout, stderr = bad_cli_runs[case]
+    assert rc != 0
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error:") and f"'{key}'" in lines[0] and extra in lines[0]
+    assert stdout == ""
+    assert bad_cli_runs["cwd_after"] == []  # stopped before any run directory or data
+
+
+# --------------------------------------------------------------------------- default.yaml vs schema
+
+def _leaf_lines(text):
+    """(dotted key, line) for every `key: value` line of a two-level YAML file."""
+    section = None
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = re.match(r"^(\s*)([A-Za-z_]\w*):\s*(.*)$", line)
+        assert m, f"unexpected line in default.yaml: {line!r}"
+        indent, key, rest = m.groups()
+        if not indent and (rest == "" or rest.startswith("#")):
+            section = key
+            continue
+        yield (f"{section}.{key}" if indent else key), line
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_every_default_yaml_key_has_a_comment():
+    leaves = list(_leaf_lines(DEFAULT_YAML.read_text()))
+    assert len(leaves) == len(_flatten(OmegaConf.to_container(OmegaConf.structured(Config))))
+    for key, line in leaves:
+        comment = line.split("#", 1)[1].strip() if "#" in line else ""
+        assert len(comment) >= 10, f"{key} has no explanatory comment in default.yaml: {line!r}"
+
+
+def test_default_yaml_equals_schema_defaults():
+    in_yaml = _flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
+    in_schema = _flatten(OmegaConf.to_container(OmegaConf.structured(Config)))
+    assert sorted(in_yaml) == sorted(in_schema)
+    for key, value in in_schema.items():
+        assert in_yaml[key] == value and type(in_yaml[key]) is type(value), \
+            f"{key}: default.yaml has {in_yaml[key]!r}, schema {value!r}"

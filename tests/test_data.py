@@ -1,0 +1,164 @@
+"""data.py: the per-class train/val split, the two folder layouts, file discovery,
+image modes and the train/val transforms.
+
+    python -m pytest tests/test_data.py -q
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+
+from conftest import REPO, make_image_folder
+from data import build_datasets, build_transforms, split_dataset
+from utils.config import DataConfig
+
+
+def as_names(samples):
+    return [(os.path.basename(p), label) for p, label in samples]
+
+
+@pytest.fixture
+def uneven_root(tmp_path):
+    """Three classes of 10, 5 and 20 images: per-class rounding is visible."""
+    root = tmp_path / "uneven"
+    for name, n in (("a_cls", 10), ("b_cls", 5), ("c_cls", 20)):
+        make_image_folder(root, per_class=n, classes=(name,), size=(8, 8))
+    return root
+
+
+# --------------------------------------------------------------------------- split
+
+def test_split_is_per_class_and_respects_val_rate(uneven_root):
+    split = split_dataset(uneven_root, val_rate=0.2, split_seed=0)
+    assert split.classes == ["a_cls", "b_cls", "c_cls"]
+    val_per_class = [sum(1 for _, y in split.val if y == c) for c in range(3)]
+    train_per_class = [sum(1 for _, y in split.train if y == c) for c in range(3)]
+    assert val_per_class == [2, 1, 4]
+    assert train_per_class == [8, 4, 16]
+    # Disjoint, complete, and every label is the folder the file sits in.
+    all_paths = [p for p, _ in split.train + split.val]
+    assert len(set(all_paths)) == 35
+    for p, label in split.train + split.val:
+        assert os.path.basename(os.path.dirname(p)) == split.classes[label]
+
+    half = split_dataset(uneven_root, val_rate=0.5, split_seed=0)
+    assert [sum(1 for _, y in half.val if y == c) for c in range(3)] == [5, round(2.5), 10]
+
+
+def test_split_is_deterministic_and_leaves_global_rng_alone(uneven_root):
+    first = split_dataset(uneven_root, val_rate=0.3, split_seed=7)
+
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
+    second = split_dataset(uneven_root, val_rate=0.3, split_seed=7)
+    after = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
+
+    assert as_names(first.train) == as_names(second.train)
+    assert as_names(first.val) == as_names(second.val)
+    assert before[0] == after[0]
+    assert np.array_equal(before[1], after[1])
+    assert torch.equal(before[2], after[2])
+
+    # A different global seed does not change it; a different split_seed does.
+    torch.manual_seed(999)
+    assert as_names(split_dataset(uneven_root, val_rate=0.3, split_seed=7).val) == as_names(first.val)
+    assert as_names(split_dataset(uneven_root, val_rate=0.3, split_seed=8).val) != as_names(first.val)
+
+
+@pytest.mark.slow
+def test_split_is_identical_in_another_process(uneven_root):
+    """What every rank and every later run computes: a fresh interpreter, other hash seed, other cwd."""
+    here = split_dataset(uneven_root, val_rate=0.3, split_seed=7)
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import torch; torch.manual_seed(5);"
+            "from data import split_dataset; s = split_dataset(sys.argv[2], 0.3, 7);"
+            "print(json.dumps({'classes': s.classes, 'train': s.train, 'val': s.val}))")
+    out = subprocess.run([sys.executable, "-c", code, str(REPO), str(uneven_root)], capture_output=True,
+                         text=True, check=True, cwd=uneven_root.parent,
+                         env={**os.environ, "PYTHONHASHSEED": "4321"}, timeout=120)
+    there = json.loads(out.stdout)
+    assert there["classes"] == here.classes
+    assert [tuple(x) for x in there["train"]] == here.train
+    assert [tuple(x) for x in there["val"]] == here.val
+
+
+def test_presplit_root_is_used_as_is(tmp_path):
+    root = tmp_path / "presplit"
+    make_image_folder(root / "train", per_class=4, classes=("cat", "dog"), size=(8, 8))
+    make_image_folder(root / "val", per_class=2, classes=("cat", "dog"), size=(8, 8))
+    split = split_dataset(root, val_rate=0.5, split_seed=0)  # val_rate is ignored here
+    assert split.classes == ["cat", "dog"]
+    assert len(split.train) == 8 and len(split.val) == 4
+    assert all(f"{os.sep}train{os.sep}" in p for p, _ in split.train)
+    assert all(f"{os.sep}val{os.sep}" in p for p, _ in split.val)
+    assert sorted(y for _, y in split.val) == [0, 0, 1, 1]
+
+
+def test_extensions_are_case_insensitive(tmp_path):
+    root = tmp_path / "mixed"
+    for cls in ("a", "b"):
+        d = root / cls
+        d.mkdir(parents=True)
+        for i, ext in enumerate((".jpg", ".JPG", ".jpeg", ".JPEG", ".png", ".PNG", ".Jpg")):
+            Image.new("RGB", (8, 8), (i * 30, 0, 0)).save(d / f"img{i}{ext}",
+                                                            format="PNG" if "png" in ext.lower() else "JPEG")
+        (d / "notes.txt").write_text("not an image")
+        (d / "Thumbs.db").write_bytes(b"\0")
+        Image.new("RGB", (8, 8)).save(d / ".hidden.jpg")
+    split = split_dataset(root, val_rate=0.0, split_seed=0)
+    assert split.val == []
+    found = sorted(os.path.basename(p) for p, y in split.train if y == 0)
+    assert found == sorted(f"img{i}{ext}" for i, ext in
+                           enumerate((".jpg", ".JPG", ".jpeg", ".JPEG", ".png", ".PNG", ".Jpg")))
+
+
+# --------------------------------------------------------------------------- images and transforms
+
+def _data_cfg(path, **kw):
+    return OmegaConf.structured(DataConfig(path=str(path), **kw))
+
+
+def test_any_image_mode_becomes_rgb(tmp_path):
+    root = tmp_path / "modes"
+    modes = {"L": ".jpg", "CMYK": ".jpg", "P": ".png", "RGBA": ".png", "LA": ".png", "1": ".png",
+             "I;16": ".png", "RGB": ".JPEG"}
+    for cls in ("x", "y"):
+        (root / cls).mkdir(parents=True)
+        for m, ext in modes.items():
+            Image.new(m, (50, 30)).save(root / cls / f"{m.replace(';', '_')}{ext}")
+    train_set, val_set, classes = build_datasets(_data_cfg(root, val_rate=0.5, img_size=16, val_resize=20))
+    assert classes == ["x", "y"]
+    assert len(train_set) + len(val_set) == 2 * len(modes)
+    for ds in (train_set, val_set):
+        for i in range(len(ds)):
+            img, label = ds[i]
+            assert img.shape == (3, 16, 16) and img.dtype == torch.float32 and label in (0, 1)
+
+
+@pytest.mark.parametrize("size", [(300, 200), (120, 400), (64, 64)])
+def test_transforms_give_square_crops_of_img_size(size):
+    train_tf, val_tf = build_transforms(img_size=48, val_resize=56, min_crop_scale=0.3)
+    img = Image.new("RGB", size, (200, 30, 30))
+    assert train_tf(img).shape == (3, 48, 48)
+    val = val_tf(img)
+    assert val.shape == (3, 48, 48)
+    # Normalized with the ImageNet statistics: a pure colour maps to (c/255 - mean) / std.
+    expected = (torch.tensor([200, 30, 30]) / 255 - torch.tensor([0.485, 0.456, 0.406])) \
+        / torch.tensor([0.229, 0.224, 0.225])
+    assert torch.allclose(val[:, 24, 24], expected, atol=1e-5)
+
+
+def test_train_transform_augments_val_transform_does_not():
+    train_tf, val_tf = build_transforms(img_size=32, val_resize=36, min_crop_scale=0.08)
+    img = Image.new("RGB", (64, 48))
+    img.putdata([(x * 4 % 256, y * 5 % 256, (x * y) % 256) for y in range(48) for x in range(64)])
+    torch.manual_seed(0)
+    train_outs = [train_tf(img) for _ in range(4)]
+    assert any(not torch.equal(train_outs[0], t) for t in train_outs[1:])
+    assert all(torch.equal(val_tf(img), val_tf(img)) for _ in range(2))

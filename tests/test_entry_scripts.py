@@ -1,0 +1,226 @@
+"""The three entry scripts, run as a user runs them, and everything a run leaves behind.
+
+    python -m pytest tests/test_entry_scripts.py -q
+
+One short run of each script is shared by all tests of this file (they run side by
+side, in the module fixture `runs`):
+    train.py                 2 epochs, --output-dir out (relative to its cwd)
+    train_multi_gpu_dp.py    1 epoch, no --output-dir   -> runs/<timestamp>-dp
+    train_multi_gpu_ddp.py   torchrun, 2 gloo processes, --syncBN True, no --output-dir -> runs/<timestamp>-ddp
+
+"Written once" is checked from the inside: a sitecustomize.py put on PYTHONPATH
+installs an audit hook (sys.addaudithook) in every process, torchrun's workers
+included, that logs each file opened for writing and each rename, with the rank.
+"""
+import json
+import math
+import os
+import re
+import textwrap
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import FAST_ARGS, make_image_folder, run_entry
+from model import create_model
+from utils.config import load_config
+
+pytestmark = pytest.mark.slow
+
+METRIC_KEYS = {"epoch", "train_loss", "val_loss", "val_acc", "lr", "img_per_s", "epoch_seconds"}
+TB_TAGS = {"train/loss": "train_loss", "val/loss": "val_loss", "val/acc": "val_acc",
+           "train/lr": "lr", "train/img_per_s": "img_per_s"}
+CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+
+WRITE_AUDIT = textwrap.dedent('''
+    """Test helper: log every file this process opens for writing, and every rename."""
+    import os, sys
+    _dir = os.environ.get("WRITE_AUDIT_DIR")
+    if _dir:
+        _log = open(os.path.join(_dir, f"{os.getpid()}.log"), "a", buffering=1)
+        _tag = f"{os.environ.get('RANK', '-')}\\t{os.getpid()}"
+        _writing = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT
+
+        def _hook(event, args):
+            if event == "open" and args[2] & _writing and isinstance(args[0], (str, bytes, os.PathLike)):
+                path = args[0]
+            elif event == "os.rename":
+                path = args[1]
+            else:
+                return
+            _log.write(f"{_tag}\\t{event}\\t{os.path.abspath(os.fsdecode(path))}\\n")
+
+        sys.addaudithook(_hook)
+''')
+
+
+@dataclass
+class Run:
+    name: str
+    proc: object            # CompletedProcess
+    cwd: Path
+    run_dir: Path
+    argv: list
+    epochs: int
+    writes: list            # (rank, pid, event, absolute path)
+    data_root: Path
+
+    @property
+    def output(self):
+        return self.proc.stdout + self.proc.stderr
+
+
+def _launch(name, script, argv, epochs, tmp, data_root, nproc=None):
+    cwd = tmp / f"{name}_cwd"
+    audit = tmp / f"{name}_audit"
+    cwd.mkdir()
+    audit.mkdir()
+    env = {"WRITE_AUDIT_DIR": str(audit),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp / "hook"), os.environ.get("PYTHONPATH")]))}
+    argv = [*FAST_ARGS, f"train.epochs={epochs}", "--data-path", str(data_root), *argv]
+    proc = run_entry(script, *argv, nproc=nproc, env=env, cwd=cwd)
+    writes = [tuple(line.split("\t")) for log in audit.iterdir() for line in log.read_text().splitlines()]
+    if "--output-dir" in argv:
+        run_dir = cwd / argv[argv.index("--output-dir") + 1]
+    else:
+        found = sorted((cwd / "runs").iterdir()) if (cwd / "runs").is_dir() else []
+        run_dir = found[0] if len(found) == 1 else None
+    return Run(name, proc, cwd, run_dir, argv, epochs, writes, data_root)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("entry")
+    data_root = make_image_folder(tmp / "flowers")
+    (tmp / "hook").mkdir()
+    (tmp / "hook" / "sitecustomize.py").write_text(WRITE_AUDIT)
+    jobs = {
+        "train": ("train.py", ["--output-dir", "out"], 2, None),
+        "dp": ("train_multi_gpu_dp.py", [], 1, None),
+        "ddp": ("train_multi_gpu_ddp.py", ["--syncBN", "True"], 1, 2),
+    }
+    # Side by side: most of each run is interpreter and torch start-up, not training.
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(_launch, name, script, argv, epochs, tmp, data_root, nproc)
+                   for name, (script, argv, epochs, nproc) in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(params=["train", "dp", "ddp"])
+def run(request, runs):
+    r = runs[request.param]
+    assert r.proc.returncode == 0, f"{r.name} failed:\n{r.output[-4000:]}"
+    return r
+
+
+# --------------------------------------------------------------------------- run directory and files
+
+def test_run_directory_lands_under_the_cwd(run):
+    if run.name == "train":
+        assert run.run_dir == run.cwd / "out"
+        assert sorted(p.name for p in run.cwd.iterdir()) == ["out"]
+    else:
+        # Default: runs/<timestamp>-<script>, relative to where the user started it, and only one.
+        assert sorted(p.name for p in run.cwd.iterdir()) == ["runs"]
+        assert run.run_dir is not None, list((run.cwd / "runs").iterdir())
+        assert re.fullmatch(rf"\d{{8}}-\d{{6}}-{run.name}", run.run_dir.name), run.run_dir.name
+    assert run.output.count(f"run directory: {run.run_dir.relative_to(run.cwd)}") == 1
+
+
+def test_outputs_present_and_nothing_else(run):
+    files = sorted(p.relative_to(run.run_dir).as_posix() for p in run.run_dir.rglob("*") if p.is_file())
+    events = [f for f in files if f.startswith("events.out.tfevents.")]
+    assert len(events) == 1, files
+    assert sorted(set(files) - set(events)) == ["checkpoints/best.pt", "checkpoints/last.pt",
+                                                "class_indices.json", "config.yaml", "metrics.jsonl"]
+
+
+def test_outputs_written_once_by_one_process(run):
+    inside = [w for w in run.writes if Path(w[3]).is_relative_to(run.run_dir)]
+    writers = {(rank, pid) for rank, pid, _, _ in inside}
+    assert len(writers) == 1, writers
+    assert next(iter(writers))[0] in ("0", "-")  # rank 0 under torchrun; the only process otherwise
+    count = Counter(Path(w[3]).relative_to(run.run_dir).as_posix() for w in inside)
+    assert count["config.yaml"] == 1
+    assert count["class_indices.json"] == 1
+    assert count["metrics.jsonl"] == run.epochs         # one append per epoch
+    assert count["checkpoints/last.pt"] == run.epochs   # one atomic rename per epoch
+    assert 1 <= count["checkpoints/best.pt"] <= run.epochs
+    # Nor anything beside the run directory or into the data (temp files elsewhere are fine).
+    stray = {w[3] for w in run.writes if not Path(w[3]).is_relative_to(run.run_dir)
+             and (Path(w[3]).is_relative_to(run.cwd) or Path(w[3]).is_relative_to(run.data_root))}
+    assert not stray, stray
+
+
+def test_class_indices_json(run):
+    assert json.loads((run.run_dir / "class_indices.json").read_text()) == {str(i): c for i, c in enumerate(CLASSES)}
+
+
+def test_saved_config_equals_the_loaded_one(run):
+    saved = OmegaConf.load(run.run_dir / "config.yaml")
+    expected = load_config(run.argv)
+    assert OmegaConf.to_container(saved) == OmegaConf.to_container(expected)
+    assert saved.train.epochs == run.epochs and saved.model.name == "resnet18"
+
+
+# --------------------------------------------------------------------------- metrics and TensorBoard
+
+def read_metrics(run):
+    return [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_jsonl_has_one_line_per_epoch(run):
+    rows = read_metrics(run)
+    assert [r["epoch"] for r in rows] == list(range(1, run.epochs + 1))
+    for r in rows:
+        assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
+        assert all(math.isfinite(r[k]) for k in METRIC_KEYS)
+        assert 0.0 <= r["val_acc"] <= 1.0 and r["img_per_s"] > 0 and r["epoch_seconds"] > 0
+    # 0.01 per process; DDP scales it by its 2 processes, DataParallel's batch is already global.
+    assert rows[0]["lr"] == pytest.approx(0.02 if run.name == "ddp" else 0.01)
+    if run.epochs > 1:
+        assert rows[-1]["lr"] < rows[0]["lr"]  # the cosine schedule moved
+
+
+def test_tensorboard_events_read_back(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run.run_dir))
+    acc.Reload()
+    assert set(TB_TAGS) <= set(acc.Tags()["scalars"])
+    rows = read_metrics(run)
+    for tag, key in TB_TAGS.items():
+        points = acc.Scalars(tag)
+        assert [p.step for p in points] == list(range(1, run.epochs + 1)), tag
+        assert [p.value for p in points] == pytest.approx([r[key] for r in rows], rel=1e-5), tag
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("which", ["last.pt", "best.pt"])
+def test_checkpoint_contents(run, which):
+    state = torch.load(run.run_dir / "checkpoints" / which, map_location="cpu", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "epoch", "config"} <= set(state)
+    assert not any(k.startswith("module.") for k in state["model"])
+    create_model("resnet18", num_classes=5).load_state_dict(state["model"])  # strict: every name fits
+    assert state["config"] == OmegaConf.to_container(OmegaConf.load(run.run_dir / "config.yaml"))
+    assert state["optimizer"]["param_groups"][0]["initial_lr"] == pytest.approx(0.02 if run.name == "ddp" else 0.01)
+    if which == "last.pt":
+        assert state["epoch"] == run.epochs
+        assert state["scheduler"]["last_epoch"] == state["global_step"] > 0
+
+
+# --------------------------------------------------------------------------- DDP specifics
+
+def test_ddp_syncbn_on_cpu_warns_once_and_continues(runs):
+    ddp = runs["ddp"]
+    assert ddp.proc.returncode == 0, ddp.output[-4000:]
+    lines = [line for line in ddp.output.replace("\r", "\n").splitlines()
+             if re.search(r"syncbn|syncbatchnorm", line, re.I)]
+    assert len(lines) == 1, lines
+    assert "warning" in lines[0].lower()
+    assert len(read_metrics(ddp)) == 1  # and it trained
