@@ -1,23 +1,38 @@
 """Checkpoints: what a run needs to continue exactly, written atomically by rank 0.
 
-    <run>/checkpoints/last.pt        after every epoch
+    <run>/checkpoints/last.pt        after every epoch, every train.save_every_steps steps, and on SIGTERM/SIGINT
     <run>/checkpoints/best.pt        on a new best validation accuracy
     <run>/checkpoints/epoch_NNN.pt   the last train.keep_last epochs, if > 0
 
-A save goes to a temporary file in the same directory and is renamed over the
-old one, so a process killed mid-write leaves the previous checkpoint intact.
-Loads use weights_only=True: a file that carries pickled code is refused.
+    python train.py --output-dir runs/a --resume auto      # continue runs/a (or start it)
+    python train.py --output-dir runs/b --resume runs/a/checkpoints/epoch_002.pt
+
+A checkpoint holds the unwrapped weights, optimizer, schedule, GradScaler,
+epoch, global step, best accuracy, resolved config, class names, the data
+layout (seed, world size, batch size: the per-epoch order is a function of
+these), and per rank the random states (Python, NumPy, torch CPU and CUDA)
+plus, for a checkpoint written mid-epoch, the steps already done in that epoch
+and their loss sums, so a resumed run ends bit-for-bit where an uninterrupted
+one would.
+
+A save goes to a temporary file in the same directory, is fsynced and renamed
+over the old one, so a process killed mid-write leaves the previous checkpoint
+intact. Loads use weights_only=True: a file that carries pickled code is refused.
 """
 import os
 import random
+import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from model import strip_wrapper_prefixes
+from utils.distributed_utils import any_rank
 from utils.errors import RUNTIME_EXIT, UserError
 
 
@@ -48,9 +63,25 @@ def set_rng_state(state):
     np_state = list(state["numpy"])
     np_state[1] = np.array(np_state[1], dtype=np.uint32)
     np.random.set_state(tuple(np_state))
-    torch.set_rng_state(state["torch"])
+    # .cpu(): the checkpoint was loaded with map_location=<this rank's GPU>, RNG states must be CPU bytes.
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def gather_rank_states(local):
+    """Every rank's `local` dict as a list indexed by rank; called by every rank (one collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out
+
+
+def remove_stale_temps(ckpt_dir):
+    """Temp files left by a process killed mid-save; the renamed checkpoints are untouched."""
+    for tmp in Path(ckpt_dir).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_save(obj, path):
@@ -83,18 +114,24 @@ def atomic_copy(src, dst):
         raise
 
 
-def make_state(model, optimizer, scheduler, scaler, epoch, global_step, best_acc, config, classes):
+def make_state(model, optimizer, scheduler, scaler, epoch, global_step, best_acc, config, classes,
+               ranks=None, epoch_step=0, epoch_lr=None, data=None):
+    """The checkpoint dict. `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
+    (gather_rank_states); `epoch_step` > 0 marks a checkpoint written mid-epoch."""
     return {
         "model": strip_wrapper_prefixes(unwrap(model).state_dict()),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "epoch": epoch,                 # epochs completed; a resumed run starts at this index
+        "epoch_step": epoch_step,       # steps of epoch `epoch` already trained (0: at an epoch boundary)
+        "epoch_lr": epoch_lr,           # lr at the start of that epoch, for its metrics line
         "global_step": global_step,
         "best_acc": best_acc,
         "config": config,
         "classes": list(classes),
-        "rng": rng_state(),
+        "data": data or {},             # seed, world_size, batch_size, steps_per_epoch: the data order
+        "ranks": ranks if ranks is not None else [{"rng": rng_state()}],
     }
 
 
@@ -111,16 +148,23 @@ def save_checkpoint(state, ckpt_dir, is_best, keep_last=0):
             for old in sorted(ckpt_dir.glob("epoch_*.pt"))[:-keep_last]:
                 old.unlink()
     except OSError as e:
-        raise UserError(f"could not write checkpoint in '{ckpt_dir}': {e.strerror or e}; "
-                        "the previous checkpoint is intact", exit_code=RUNTIME_EXIT)
+        raise UserError(f"could not write checkpoint in '{ckpt_dir}': {e.strerror or e}; the previous "
+                        "checkpoint is intact (free space or fix permissions, then resume)",
+                        exit_code=RUNTIME_EXIT)
 
 
-def find_resume_path(resume, run_dir):
-    """--resume PATH or 'auto' (run_dir/checkpoints/last.pt, None when there is none yet)."""
+def find_resume_path(resume, run_dir, restarted=False):
+    """--resume PATH or 'auto' (run_dir/checkpoints/last.pt, None when there is none yet).
+
+    `restarted`: torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT > 0);
+    the newest save of this run directory wins over whatever --resume said.
+    """
+    last = Path(run_dir) / "checkpoints" / "last.pt"
+    if restarted and last.is_file():
+        return last
     if resume is None:
         return None
     if resume == "auto":
-        last = Path(run_dir) / "checkpoints" / "last.pt"
         return last if last.is_file() else None
     path = Path(resume)
     if not path.is_file():
@@ -129,16 +173,27 @@ def find_resume_path(resume, run_dir):
 
 
 def load_checkpoint(path, map_location):
+    """weights_only=True: tensors and plain containers only; a pickled callable is refused, never run."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - corrupt file, foreign pickle, ...: all the file's fault
-        raise UserError(f"cannot load checkpoint '{path}': {str(e).splitlines()[0]}")
+        raise UserError(f"cannot load checkpoint '{path}': {str(e).strip().splitlines()[0]}")
+    if not isinstance(state, dict) or not {"model", "optimizer", "epoch"} <= set(state):
+        raise UserError(f"'{path}' is not a training checkpoint of this template "
+                        "(for a plain weights file use --weights)")
+    return state
 
 
-def restore(state, model, optimizer, scheduler, scaler, classes):
-    """Load a full checkpoint into the run's objects; refuse one of another model or class list."""
-    if list(state.get("classes", classes)) != list(classes):
-        raise UserError(f"checkpoint classes {state.get('classes')} differ from the data's {list(classes)}")
+def check_compatible(state, model, classes, model_name=None):
+    """Refuse a checkpoint of another class list or architecture, saying what differs."""
+    theirs_classes = list(state.get("classes", classes))
+    if theirs_classes != list(classes):
+        raise UserError(f"checkpoint has {len(theirs_classes)} classes {theirs_classes}, the data has "
+                        f"{len(classes)} {list(classes)}; resume needs the same class folders")
+    theirs_name = (state.get("config") or {}).get("model", {}).get("name")
+    if model_name and theirs_name and theirs_name != model_name:
+        raise UserError(f"checkpoint is a {theirs_name}, this run builds a {model_name} (model.name); "
+                        f"resume with model.name={theirs_name}, or start from its weights with --weights")
     own = unwrap(model).state_dict()
     theirs = state["model"]
     diff = sorted(set(own) ^ set(theirs))
@@ -147,10 +202,94 @@ def restore(state, model, optimizer, scheduler, scaler, classes):
         what = f"{len(diff)} tensor names differ, e.g. {diff[:2]}" if diff else \
             f"tensor shapes differ, e.g. {shapes[0]} {tuple(theirs[shapes[0]].shape)} vs {tuple(own[shapes[0]].shape)}"
         raise UserError(f"checkpoint is for another model: {what}")
-    unwrap(model).load_state_dict(theirs)
+
+
+def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None):
+    """Load a full checkpoint into the run's objects; refuse one of another model or class list.
+
+    The scheduler's state includes its schedule (WarmupCosine's total steps), so
+    a resumed run keeps the schedule it started with.
+    """
+    check_compatible(state, model, classes, model_name)
+    unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
-    if "rng" in state:
-        set_rng_state(state["rng"])
     return state["epoch"], state["global_step"], state["best_acc"]
+
+
+def resume_command(run_dir, world_size=1, local_world_size=1, argv=None):
+    """The command line that continues this run: the same one, with --output-dir RUN --resume auto."""
+    argv = list(sys.argv if argv is None else argv)
+    kept, drop_next = [], False
+    for arg in argv[1:]:
+        if drop_next:
+            drop_next = False
+        elif arg in ("--resume", "--output-dir"):
+            drop_next = True
+        elif not arg.startswith(("--resume=", "--output-dir=", "resume=", "output_dir=")):
+            kept.append(arg)
+    if world_size > 1 and world_size == local_world_size:
+        launcher = f"torchrun --nproc_per_node={local_world_size}"
+    elif world_size > 1:
+        launcher = "torchrun <the same torchrun options, on every node>"
+    else:
+        launcher = "python"
+    # The two flags go first: key=value overrides must stay one run of words for the parser.
+    return " ".join([launcher, shlex.quote(argv[0]), "--output-dir", shlex.quote(str(run_dir)),
+                     "--resume", "auto", *map(shlex.quote, kept)])
+
+
+def data_layout(seed, world_size, batch_size, steps_per_epoch, train_images):
+    """What fixes the per-epoch batch order: a mid-epoch resume needs all of it unchanged."""
+    return {"seed": seed, "world_size": world_size, "batch_size": batch_size,
+            "steps_per_epoch": steps_per_epoch, "train_images": train_images}
+
+
+def resume_point(state, rank, layout):
+    """This rank's saved random state, and for a mid-epoch checkpoint where to continue in the epoch.
+
+    Returns (rng or None, mid or None); mid = {"epoch_step", "loss_sum", "images_seen", "rng", "lr"}.
+    """
+    ranks = state.get("ranks") or []
+    same_world = len(ranks) == layout["world_size"]
+    rng = ranks[rank]["rng"] if same_world else None
+    if not state.get("epoch_step"):
+        return rng, None
+    theirs = state.get("data") or {}
+    changed = [f"{k} {theirs.get(k)} -> {v}" for k, v in layout.items() if theirs.get(k) != v]
+    if changed or not same_world:
+        raise UserError(f"checkpoint was written in the middle of epoch {state['epoch'] + 1} and the batch "
+                        f"order has changed since ({', '.join(changed) or 'world size'}); resume with the "
+                        "same processes, batch size, seed and data, or from an epoch_NNN.pt (train.keep_last)")
+    mine = ranks[rank]
+    return rng, {"epoch_step": state["epoch_step"], "loss_sum": mine["loss_sum"],
+                 "images_seen": mine["images_seen"], "rng": mine["rng"], "lr": state["epoch_lr"]}
+
+
+class Checkpointer:
+    """Saves the run's objects; `save` is called by every rank (it gathers every rank's state)."""
+
+    def __init__(self, ckpt_dir, model, optimizer, scheduler, scaler, config, classes, layout,
+                 keep_last, rank, device):
+        self.ckpt_dir, self.model, self.optimizer = Path(ckpt_dir), model, optimizer
+        self.scheduler, self.scaler, self.config, self.classes = scheduler, scaler, config, classes
+        self.layout, self.keep_last, self.rank, self.device = layout, keep_last, rank, device
+
+    def save(self, epoch, global_step, best_acc, is_best=False, epoch_step=0, loss_sum=0.0,
+             images_seen=0, epoch_lr=None):
+        ranks = gather_rank_states({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
+        error = None
+        if self.rank == 0:
+            state = make_state(self.model, self.optimizer, self.scheduler, self.scaler, epoch, global_step,
+                               best_acc, self.config, self.classes, ranks=ranks, epoch_step=epoch_step,
+                               epoch_lr=epoch_lr, data=self.layout)
+            try:
+                # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
+                save_checkpoint(state, self.ckpt_dir, is_best, self.keep_last if epoch_step == 0 else 0)
+            except UserError as e:
+                error = e
+        # Every rank joins this vote, so a failed save on rank 0 stops all ranks instead of
+        # leaving them to wait in the next collective.
+        if any_rank(error is not None, self.device):
+            raise error or UserError("rank 0 could not write its checkpoint; stopping", exit_code=RUNTIME_EXIT)

@@ -36,6 +36,9 @@ class DataConfig:
     val_resize: int = 256
     num_workers: int = -1
     pin_memory: bool = True
+    pipeline: str = "pil"
+    cache_size: int = 0
+    cache_on_device: bool = True
     demo: bool = False
     demo_images_per_class: int = 60
     bad_image: str = "warn"
@@ -71,6 +74,16 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 20
     keep_last: int = 0
+    save_every_steps: int = 0
+    compile: bool = False
+
+
+@dataclass
+class DDPConfig:
+    # Passed as keyword arguments to DistributedDataParallel(...) by train_multi_gpu_ddp.py.
+    bucket_cap_mb: int = 25
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
 
 
 @dataclass
@@ -79,6 +92,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     output_dir: Optional[str] = None
     resume: Optional[str] = None
 
@@ -102,6 +116,7 @@ CLASSIC_FLAGS = {
 CHOICES = {
     "model.name": ("resnet18", "resnet34", "resnet50"),
     "train.amp": ("auto", "bf16", "fp16", "off"),
+    "data.pipeline": ("pil", "gpu", "auto"),
     "data.bad_image": ("warn", "error"),
 }
 
@@ -185,8 +200,14 @@ def _check_ranges(cfg):
         bad("optim.warmup_epochs", f"{cfg.optim.warmup_epochs}; must be between 0 and train.epochs")
     if cfg.train.log_every < 1:
         bad("train.log_every", "must be at least 1")
+    if cfg.data.cache_size < 0 or 0 < cfg.data.cache_size < cfg.data.img_size:
+        bad("data.cache_size", f"{cfg.data.cache_size}; 0 (auto) or at least data.img_size")
+    if cfg.ddp.bucket_cap_mb < 1:
+        bad("ddp.bucket_cap_mb", "must be at least 1")
     if cfg.train.keep_last < 0:
         bad("train.keep_last", "must be 0 or more")
+    if cfg.train.save_every_steps < 0:
+        bad("train.save_every_steps", "must be 0 (epoch ends only) or more")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:

@@ -19,10 +19,12 @@ import torch.nn.functional as F
 from data import sync_bad_images
 from utils import checkpoint as ckpt
 from utils.config import config_to_dict
-from utils.distributed_utils import DistInfo, any_rank, broadcast_object, reduce_min, reduce_value
+from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, reduce_min,
+                                     reduce_value)
 from utils.errors import RUNTIME_EXIT, UserError
 from utils.optim import build_optimizer, build_scaler, build_scheduler, resolve_amp
 from utils.run_logger import RunLogger
+from utils.stop import StopRequest
 
 _NO_BAD_STEP = 2 ** 62
 
@@ -42,17 +44,35 @@ def _to_device(images, labels, device, channels_last):
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, *, amp_dtype=None,
-                    channels_last=False, log_every=20, global_step=0, world_size=1, logger=None):
-    """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step."""
+                    channels_last=False, log_every=20, global_step=0, world_size=1, logger=None,
+                    resume=None, stop=None, save_every=0, save_step=None):
+    """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step.
+
+    resume: a mid-epoch checkpoint's point (checkpoint.resume_point) to continue from.
+    stop: a StopRequest; when any rank has one, all stop at the same window boundary.
+    save_step(epoch_step, global_step, loss_sum, images_seen): called by every rank at the
+    first window boundary after each `save_every` steps, and on a stop; then "stopped" is set.
+    """
     model.train()
     logger = logger or RunLogger(".", enabled=False)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     window_sum = torch.zeros((), device=device, dtype=torch.float64)
     first_bad = torch.full((), _NO_BAD_STEP, device=device, dtype=torch.long)
     images_seen, window_steps = 0, 0
+    batches, skip = iter(loader), 0
+    if resume is not None:
+        # Draw and drop the batches already trained: the sampler order and the augmentation's
+        # random draws then continue exactly as in the interrupted run (no forward/backward).
+        skip = resume["epoch_step"]
+        for _ in range(skip):
+            next(batches)
+        loss_sum += resume["loss_sum"]
+        images_seen = resume["images_seen"]
+        ckpt.set_rng_state(resume["rng"])
+    next_save = (global_step // save_every + 1) * save_every if save_every else None
     start = window_start = time.perf_counter()
-    bar = logger.progress(loader, len(loader), f"epoch {epoch + 1} train")
-    for i, (images, labels) in enumerate(bar):
+    bar = logger.progress(batches, len(loader) - skip, f"epoch {epoch + 1} train")
+    for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, device, channels_last)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
@@ -71,9 +91,14 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
         window_steps += 1
         global_step += 1
 
-        if window_steps == log_every or i == len(loader) - 1:
+        last = i == len(loader) - 1
+        # One process needs nobody's agreement: it honours a stop request at the very next step.
+        if window_steps == log_every or last or (world_size == 1 and stop is not None and stop.requested()):
             # The one host sync (and all-reduce) per window; every rank reaches it at the same step.
-            window_loss = reduce_value(window_sum, average=False).item() / (window_steps * world_size)
+            # A stop request rides in the same all-reduce: no extra collective on the hot path.
+            flag = window_sum.new_tensor(float(stop is not None and stop.requested()))
+            summed = reduce_value(torch.stack([window_sum, flag]), average=False).tolist()
+            window_loss, stopping = summed[0] / (window_steps * world_size), summed[1] > 0
             if not math.isfinite(window_loss):
                 bad = reduce_min(first_bad).item()  # all ranks saw the same NaN sum, all join this
                 raise UserError(f"loss is {window_loss} at epoch {epoch + 1}, step {bad}; stopping. "
@@ -86,6 +111,12 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             logger.scalar("train/loss_step", window_loss, global_step)
             window_sum.zero_()
             window_steps, window_start = 0, now
+            # The epoch's last step is followed by evaluation and the epoch checkpoint anyway.
+            if save_step is not None and not last and (stopping or (next_save and global_step >= next_save)):
+                save_step(i + 1, global_step, loss_sum.item(), images_seen)
+                next_save = (global_step // save_every + 1) * save_every if save_every else None
+                if stopping:
+                    return {"stopped": True, "global_step": global_step}
     seconds = time.perf_counter() - start
     total = reduce_value(torch.stack([loss_sum, torch.tensor(float(images_seen), device=device,
                                                                 dtype=torch.float64)]), average=False)
@@ -105,6 +136,7 @@ def evaluate(model, loader, device, num_classes, *, amp_dtype=None, channels_las
     sums are all-reduced once, so every image counts exactly once and the
     result equals a single-process evaluation whatever the world size.
     """
+    broadcast_buffers(model)  # every rank evaluates rank 0's model, the one checkpointed
     model.eval()
     logger = logger or RunLogger(".", enabled=False)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -128,6 +160,13 @@ def evaluate(model, loader, device, num_classes, *, amp_dtype=None, channels_las
         "val_per_class_acc": (confusion.diag() / per_class_total.clamp(min=1)).tolist(),
         "val_seconds": time.perf_counter() - start,
     }
+
+
+def compile_model(model):
+    """torch.compile (train.compile): the first steps in train and in eval mode pay the compilation."""
+    if not hasattr(torch, "compile"):
+        raise UserError("train.compile=true needs torch >= 2.0")
+    return torch.compile(model)
 
 
 def resolve_run_dir(cfg, script_name, dist_info):
@@ -162,6 +201,16 @@ def _check_writable(run_dir):
                         "choose another --output-dir") from None
 
 
+def _stopped(stop, where, global_step, run_dir, dist_info):
+    """End the run after a stop request's checkpoint: one line on rank 0, 128+signal everywhere."""
+    if dist_info.rank != 0:
+        raise SystemExit(stop.exit_code)
+    command = ckpt.resume_command(run_dir, dist_info.world_size, dist_info.local_world_size)
+    raise UserError(f"stopped by {stop.name} {where}, global step {global_step}; "
+                    f"{run_dir / 'checkpoints' / 'last.pt'} is saved. Resume with: {command}",
+                    exit_code=stop.exit_code)
+
+
 def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, script_name):
     """Train for cfg.train.epochs, evaluating, logging and checkpointing after each epoch.
 
@@ -170,34 +219,59 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     """
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     main = rank == 0
+    # torchrun --max-restarts=N re-runs this same command after a worker dies; a restarted
+    # run continues from its run directory's last.pt (see utils/checkpoint.py).
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if restarted and not cfg.output_dir:
+        raise UserError("torchrun restarted the workers, but the run has no fixed --output-dir to continue; "
+                        "with --max-restarts pass --output-dir DIR --resume auto")
     run_dir = resolve_run_dir(cfg, script_name, dist_info)
-    resume_path = ckpt.find_resume_path(cfg.resume, run_dir)
+    resume_path = ckpt.find_resume_path(cfg.resume, run_dir, restarted)
     if main:
-        _check_run_dir(run_dir, resuming=resume_path is not None)
+        _check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         _check_writable(run_dir)
+        ckpt.remove_stale_temps(run_dir / "checkpoints")
 
     bare = ckpt.unwrap(model)
     amp_dtype = resolve_amp(cfg.train.amp, device)
     channels_last = cfg.model.channels_last and device.type == "cuda"
+    # Steps run through `step_model`; checkpoints keep saving `model`'s plain (uncompiled) weights.
+    step_model = compile_model(model) if cfg.train.compile else model
     optimizer = build_optimizer(bare, cfg.optim, world)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, len(train_loader))
     scaler = build_scaler(amp_dtype, device)
-    start_epoch, global_step, best_acc = 0, 0, -1.0
+    layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, len(train_loader),
+                              len(train_loader.dataset))
+    start_epoch, global_step, best_acc, mid, notes = 0, 0, -1.0, None, []
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path, map_location=device)
-        start_epoch, global_step, best_acc = ckpt.restore(state, model, optimizer, scheduler, scaler, classes)
+        start_epoch, global_step, best_acc = ckpt.restore(state, model, optimizer, scheduler, scaler, classes,
+                                                          model_name=cfg.model.name)
+        rng, mid = ckpt.resume_point(state, rank, layout)
+        if rng is not None:
+            ckpt.set_rng_state(rng)  # Python/NumPy continue; torch's is reseeded per epoch below
+        their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
+        if their_epochs not in (None, cfg.train.epochs):
+            notes.append(f"note: the checkpoint's lr schedule spans {their_epochs} epochs and is kept; "
+                         f"training runs to epoch {cfg.train.epochs}")
         del state
 
-    logger = RunLogger(run_dir, enabled=main, start_epoch=start_epoch, start_step=global_step)
+    logger = RunLogger(run_dir, enabled=main, start_epoch=start_epoch, start_step=global_step,
+                       resuming=resume_path is not None or restarted or cfg.resume == "auto")
     if resume_path is None:
         logger.write_config(cfg)
         logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(classes)})
-    logger.info(f"run directory: {run_dir}" + (f" (resumed from {resume_path}, epoch {start_epoch})"
-                                                 if resume_path else ""))
+    where = f"epoch {start_epoch + 1}" + (f" after its step {mid['epoch_step']}" if mid else "")
+    logger.info(f"run directory: {run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
+                                                 f"{global_step})" if resume_path else ""))
+    for note in notes:
+        logger.info(note)
     logger.info(f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val images, "
                 f"{len(classes)} classes, {world} process(es) on {device}, "
                 f"lr {optimizer.param_groups[0]['initial_lr']:.4g}, amp {amp_dtype or 'off'}")
-    config_dict = config_to_dict(cfg)
+    saver = ckpt.Checkpointer(run_dir / "checkpoints", model, optimizer, scheduler, scaler, config_to_dict(cfg),
+                              classes, layout, cfg.train.keep_last, rank, device)
+    stop = StopRequest().install()
     metrics = {}
     try:
         for epoch in range(start_epoch, cfg.train.epochs):
@@ -205,37 +279,38 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
             train_loader.sampler.set_epoch(epoch)
             torch.manual_seed(seed_for(cfg.train.seed, epoch, rank))
             train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, rank))
-            lr = optimizer.param_groups[0]["lr"]
-            train = train_one_epoch(model, train_loader, optimizer, scheduler, scaler, device, epoch,
+            lr = mid["lr"] if mid else optimizer.param_groups[0]["lr"]
+
+            def save_step(epoch_step, step, loss_sum, images_seen, epoch=epoch, lr=lr):
+                saver.save(epoch, step, best_acc, epoch_step=epoch_step, loss_sum=loss_sum,
+                           images_seen=images_seen, epoch_lr=lr)
+
+            train = train_one_epoch(step_model, train_loader, optimizer, scheduler, scaler, device, epoch,
                                     amp_dtype=amp_dtype, channels_last=channels_last,
                                     log_every=cfg.train.log_every, global_step=global_step,
-                                    world_size=world, logger=logger)
+                                    world_size=world, logger=logger, resume=mid, stop=stop,
+                                    save_every=cfg.train.save_every_steps, save_step=save_step)
+            mid = None
             global_step = train.pop("global_step")
-            val = evaluate(model, val_loader, device, len(classes), amp_dtype=amp_dtype,
+            if train.pop("stopped", False):
+                _stopped(stop, f"in epoch {epoch + 1}", global_step, run_dir, dist_info)
+            val = evaluate(step_model, val_loader, device, len(classes), amp_dtype=amp_dtype,
                            channels_last=channels_last, logger=logger)
             # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
             val["bad_images"] = sync_bad_images(train_loader.dataset, val_loader.dataset)
             is_best = val["val_acc"] > best_acc
             best_acc = max(best_acc, val["val_acc"])
-            save_error = None
-            if main:
-                state = ckpt.make_state(model, optimizer, scheduler, scaler, epoch + 1, global_step,
-                                        best_acc, config_dict, classes)
-                try:
-                    ckpt.save_checkpoint(state, run_dir / "checkpoints", is_best, cfg.train.keep_last)
-                except UserError as e:
-                    save_error = e
-            # Every rank joins this vote, so a failed save on rank 0 stops all ranks instead of
-            # leaving them to wait in the next epoch's collectives.
-            if any_rank(save_error is not None, device):
-                raise save_error or UserError("rank 0 could not write its checkpoint; stopping",
-                                              exit_code=RUNTIME_EXIT)
+            saver.save(epoch + 1, global_step, best_acc, is_best=is_best)
             metrics = {"epoch": epoch + 1, "step": global_step, **train, **val, "lr": lr,
                        "best_acc": best_acc, "epoch_seconds": time.perf_counter() - epoch_start}
             logger.epoch(metrics)
             logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
                         f"val_loss {val['val_loss']:.4f}  val_acc {val['val_acc']:.4f}  "
                         f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
+            # A signal that came during evaluation: the epoch's checkpoint is already written.
+            if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), device):
+                _stopped(stop, f"after epoch {epoch + 1}", global_step, run_dir, dist_info)
     finally:
+        stop.uninstall()
         logger.close()
     return {"best_acc": best_acc, "run_dir": str(run_dir), "last": metrics}

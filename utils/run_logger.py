@@ -14,7 +14,7 @@ from utils.config import save_config
 
 
 class RunLogger:
-    def __init__(self, run_dir, enabled, start_epoch=0, start_step=0):
+    def __init__(self, run_dir, enabled, start_epoch=0, start_step=0, resuming=False):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.writer = None
@@ -24,9 +24,10 @@ class RunLogger:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._truncate_metrics(start_epoch)
         from torch.utils.tensorboard import SummaryWriter
-        # purge_step hides points a killed run logged past its last checkpoint,
-        # so a resumed curve does not double back on itself.
-        self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=start_step or None)
+        # purge_step hides points a killed run logged past its last checkpoint (even one killed
+        # before its first checkpoint: step 0), so a resumed curve does not double back on itself.
+        self.writer = SummaryWriter(log_dir=str(self.run_dir),
+                                    purge_step=start_step if resuming else (start_step or None))
 
     def _truncate_metrics(self, start_epoch):
         """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch)."""

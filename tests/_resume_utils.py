@@ -1,0 +1,68 @@
+"""Helpers shared by the checkpoint / resume tests: tiny runs, and 'same run' comparisons."""
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import FAST_ARGS
+
+# Metrics that measure time; everything else in a metrics.jsonl line must match exactly.
+TIMING = {"time", "epoch_seconds", "img_per_s", "train_seconds", "val_seconds"}
+
+
+def run_args(data, out, *overrides, epochs=4, flags=()):
+    """A tiny run: resnet18 at 32 px, batch 4, seed fixed; `overrides` (key=value) win over these.
+
+    Flags go first: the command line takes its key=value overrides as one run of words."""
+    return ["--data-path", str(data), "--output-dir", str(out), *map(str, flags), *FAST_ARGS,
+            f"train.epochs={epochs}", "train.amp=off", *map(str, overrides)]
+
+
+def run_main(script_module, args, monkeypatch):
+    """Call an entry script's main() in this process, with sys.argv as a user would have typed it.
+
+    Returns the exit code (0 when main returns normally)."""
+    monkeypatch.setattr(sys, "argv", [f"{script_module.__name__}.py", *args])
+    try:
+        script_module.main(args)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_weights(a, b):
+    """Every model tensor, optimizer buffer and the schedule of two checkpoints: bit-for-bit equal."""
+    a, b = load(a), load(b)
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"model tensor {k} differs"
+    for pid, st in a["optimizer"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(t, b["optimizer"]["state"][pid][name]), f"optimizer {pid}.{name} differs"
+    assert a["scheduler"] == b["scheduler"]
+    assert (a["epoch"], a["global_step"], a["best_acc"]) == (b["epoch"], b["global_step"], b["best_acc"])
+
+
+def metrics(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
+
+
+def assert_same_run(straight, resumed):
+    assert_same_weights(straight / "checkpoints" / "last.pt", resumed / "checkpoints" / "last.pt")
+    assert metrics(straight) == metrics(resumed)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """In-process runs with one intra-op thread: on a shared 2-core box, spinning OpenMP threads
+    double the CPU time, and the subprocess runs (run_entry) use OMP_NUM_THREADS=1 too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,145 @@
+"""DDP under the real launcher: SIGTERM, kill -9 with torchrun restarts, NaN on one rank.
+
+    python -m pytest tests/test_kill_resume.py -q
+
+Every run is torchrun with 2 gloo processes on the CPU, compared with one
+uninterrupted 4-epoch run of the same command: the interrupted runs must end
+with bit-for-bit the same weights and the same metrics.jsonl (timings aside).
+"""
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _resume_utils import assert_same_run, load, metrics, run_args
+from conftest import REPO, free_port, make_image_folder, run_entry
+
+pytestmark = pytest.mark.slow
+DDP = "train_multi_gpu_ddp.py"
+# log_every=1: ranks compare notes every step, so a stop lands on the very next step.
+EXTRA = ("train.log_every=1",)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("ddp") / "flowers")  # 2 ranks x 3 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_straight") / "run"
+    r = run_entry(DDP, *run_args(data, out, *EXTRA), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+class Launch:
+    """torchrun in the background, its output collected line by line."""
+
+    def __init__(self, script, args, *launcher_args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *launcher_args,
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / script), *map(str, args)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, cwd=REPO)
+        self.lines = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    def wait(self, timeout=300):
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            self.proc.kill()
+            self._reader.join(10)
+        return rc, "".join(self.lines)
+
+    def workers(self):
+        """{rank: pid} of the worker processes torchrun started (its children, read from /proc)."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == self.proc.pid:
+                    env = (stat.parent / "environ").read_bytes().split(b"\0")
+                    rank = [e for e in env if e.startswith(b"RANK=")]
+                    if rank:
+                        found[int(rank[0][5:])] = int(stat.parent.name)
+            except (OSError, IndexError, ValueError):
+                continue
+        return found
+
+
+def _wait_for(predicate, proc, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        assert proc.poll() is None, "the run ended before the moment the test waits for"
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def _epochs_done(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigterm_stops_all_ranks_with_a_checkpoint_and_the_printed_command_resumes_exactly(data, straight,
+                                                                                           tmp_path):
+    out = tmp_path / "run"
+    run = Launch(DDP, run_args(data, out, *EXTRA))
+    _wait_for(lambda: _epochs_done(out) >= 1, run.proc)
+    run.proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both workers
+    rc, log = run.wait(120)
+    assert rc != 0
+    stops = [x for x in log.splitlines() if x.startswith("error: stopped by SIGTERM")]
+    assert len(stops) == 1, log[-3000:]  # one line, from rank 0
+    state = load(out / "checkpoints" / "last.pt")
+    assert state["epoch"] >= 1 and len(state["ranks"]) == 2  # both ranks' random states
+    cmd = shlex.split(stops[0].split("Resume with: ", 1)[1])
+    assert cmd[:2] == ["torchrun", "--nproc_per_node=2"] and Path(cmd[2]).name == DDP, cmd
+
+    r = run_entry(DDP, *cmd[3:], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    assert_same_run(straight, out)
+
+
+def test_kill_9_of_a_worker_mid_epoch_torchrun_restarts_and_the_run_finishes_exactly(data, straight, tmp_path):
+    out = tmp_path / "run"
+    last = out / "checkpoints" / "last.pt"
+    run = Launch(DDP, run_args(data, out, *EXTRA, "train.save_every_steps=1", flags=["--resume", "auto"]),
+                 "--max-restarts=2")
+    # Kill rank 0, the one that writes, right after a mid-epoch save in epoch 2 (global step 4).
+    _wait_for(lambda: _epochs_done(out) >= 1 and last.exists() and load(last)["global_step"] >= 4, run.proc)
+    workers = run.workers()
+    assert sorted(workers) == [0, 1], workers
+    os.kill(workers[0], signal.SIGKILL)
+    rc, log = run.wait(300)
+    assert rc == 0, log[-4000:]
+    resumed = [x for x in log.splitlines() if "resumed from" in x]
+    assert len(resumed) == 1, log[-4000:]  # one restart, and it continued the run
+    # It continued inside epoch 2 (or at its end): nothing before the unfinished epoch was redone.
+    assert "at epoch 2 after its step" in resumed[0] or "at epoch 3" in resumed[0], resumed
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]
+    assert_same_run(straight, out)
+
+
+def test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(data, tmp_path):
+    out = tmp_path / "run"
+    # Rank 1's 5th step (epoch 2, global step 4) and later give a NaN loss; saves after every step.
+    r = run_entry("tests/_faults.py", "nan:1:4", DDP,
+                  *run_args(data, out, *EXTRA, "train.save_every_steps=1", epochs=2), nproc=2, timeout=180)
+    assert r.returncode != 0
+    assert "loss is nan at epoch 2, step 4" in r.stderr, r.stderr[-3000:]
+    state = load(out / "checkpoints" / "last.pt")
+    assert state["global_step"] == 4
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())

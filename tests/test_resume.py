@@ -1,0 +1,119 @@
+"""Resume equals an uninterrupted run (train.py, in this process, real signals).
+
+    python -m pytest tests/test_resume.py -q
+
+4 epochs straight vs the same command stopped by a real SIGTERM after epoch 2
+(or a SIGINT in the middle of epoch 2) and continued with the one command the
+stop message prints: final weights, optimizer state and schedule bit-for-bit
+equal, metrics.jsonl equal except timings. The DDP variants, with torchrun and
+kill -9, are in test_kill_resume.py.
+"""
+import os
+import shlex
+import signal
+
+import pytest
+
+import train
+from _resume_utils import assert_same_run, load, metrics, one_thread, run_args, run_main  # noqa: F401
+from conftest import make_image_folder
+from utils import engine
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("resume") / "flowers")  # 25 train: 6 steps/epoch
+
+
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory, one_thread):
+    """The reference: 4 epochs without interruption."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    mp = pytest.MonkeyPatch()
+    try:
+        assert run_main(train, run_args(data, out), mp) == 0
+    finally:
+        mp.undo()
+    return out
+
+
+def _resume_from_message(err, script="train.py"):
+    """The 'Resume with: python train.py ...' command of the stop line -> that command's arguments."""
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, err
+    cmd = shlex.split(lines[0].split("Resume with: ", 1)[1])
+    assert cmd[:2] == ["python", script]
+    return cmd[2:]
+
+
+@pytest.mark.slow
+def test_sigterm_after_epoch_2_then_resume_equals_straight_run(data, straight, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_evaluate, evals = engine.evaluate, []
+
+    def evaluate_then_signal(*a, **k):
+        evals.append(1)
+        if len(evals) == 2:  # a real SIGTERM to this process while epoch 2 evaluates
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*a, **k)
+
+    monkeypatch.setattr(engine, "evaluate", evaluate_then_signal)
+    code = run_main(train, run_args(data, out), monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after epoch 2" in err
+    state = load(out / "checkpoints" / "last.pt")
+    assert (state["epoch"], state["epoch_step"]) == (2, 0)
+    assert len(metrics(out)) == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # fit put the handlers back
+
+    monkeypatch.setattr(engine, "evaluate", real_evaluate)
+    args = _resume_from_message(err)
+    assert run_main(train, args, monkeypatch) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert_same_run(straight, out)
+
+
+@pytest.mark.slow
+def test_sigint_mid_epoch_stops_at_next_step_and_resume_equals_straight_run(data, straight, tmp_path,
+                                                                         monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_to_device, steps = engine._to_device, []
+
+    def to_device_then_signal(*a, **k):
+        if engine.torch.is_grad_enabled():  # a training batch (evaluation runs under no_grad)
+            steps.append(1)
+            if len(steps) == 6 + 3:  # Ctrl-C during the 3rd step of epoch 2
+                os.kill(os.getpid(), signal.SIGINT)
+        return real_to_device(*a, **k)
+
+    monkeypatch.setattr(engine, "_to_device", to_device_then_signal)
+    code = run_main(train, run_args(data, out), monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGINT, err
+    assert "stopped by SIGINT in epoch 2, global step 9" in err
+    state = load(out / "checkpoints" / "last.pt")
+    # The step in flight finished, then the run stopped: epoch 2 has 3 of its 6 steps done.
+    assert (state["epoch"], state["epoch_step"], state["global_step"]) == (1, 3, 9)
+    assert len(steps) == 9  # not one batch more was drawn
+
+    monkeypatch.setattr(engine, "_to_device", real_to_device)
+    assert run_main(train, _resume_from_message(err), monkeypatch) == 0
+    assert "at epoch 2 after its step 3" in capsys.readouterr().out
+    assert_same_run(straight, out)
+
+
+def test_resume_auto_starts_fresh_in_an_empty_directory_and_a_restart_needs_output_dir(data, tmp_path,
+                                                                                        monkeypatch, capsys):
+    out = tmp_path / "run"
+    assert run_main(train, run_args(data, out, "train.batch_size=12", epochs=1, flags=["--resume", "auto"]),
+                    monkeypatch) == 0
+    assert len(metrics(out)) == 1
+    # Under torchrun --max-restarts a restarted worker must find the run again: no fixed directory, one line.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    args = [a for a in run_args(data, out, epochs=1) if a not in ("--output-dir", str(out))]
+    assert run_main(train, args, monkeypatch) == 2
+    assert "no fixed --output-dir" in capsys.readouterr().err
