@@ -347,6 +347,13 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     if train and len(sampler) < batch_size:
         raise UserError(f"{len(sampler)} training images per process is fewer than the batch size "
                         f"{batch_size}; lower --batch-size")
+    from utils.gpu_pipeline import GpuLoader, resolve_pipeline  # the fast path (data.pipeline), see there
+    if resolve_pipeline(data_cfg.pipeline, device) == "gpu":
+        from utils.distributed_utils import is_main_process
+        return GpuLoader(dataset, batch_size, sampler, data_cfg, device, train, workers=workers,
+                         verbose=is_main_process())
+    # No persistent_workers: workers take their seeds when an epoch starts, so a per-epoch
+    # reseed of `generator` only reaches fresh workers (it keeps resumed runs exact).
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         pin_memory=data_cfg.pin_memory and device.type == "cuda",

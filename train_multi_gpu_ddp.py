@@ -49,7 +49,8 @@ def main(argv=None):
         # -- model: SyncBN (CUDA only), then one DDP replica per process --
         model = build_model(cfg.model, len(classes), device, verbose=rank == 0)
         model = convert_sync_bn(model, cfg.model.sync_bn, device, verbose=rank == 0)
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # cfg.ddp: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
 
         return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="ddp")
     finally:

@@ -1,0 +1,379 @@
+"""How fast is the training loop, and how close does the input pipeline get to the model's own speed?
+
+    python benchmarks/benchmark.py                      # this device, ResNet34, batch 128, 224 px, flower-sized folder
+    python benchmarks/benchmark.py --quick              # CPU/CI: resnet18, 32 px, a tiny folder, seconds
+    python benchmarks/benchmark.py --pipelines gpu,pil --compile --out-dir runs/bench
+
+One run measures, on the current device and with the same model, batch,
+precision and memory format throughout:
+  (a) ceiling     the project's own train step (utils.engine.train_one_epoch) on
+                  device-resident synthetic batches: what the GPU can do;
+  (b) end to end  train.py's real loop (train.main: loaders, fit, eval, checkpoints)
+                  over a real JPEG folder, per data.pipeline; img/s of the
+                  training pass, its ratio to (a), epoch seconds (train + eval),
+                  peak device memory. The folder is the flower-sized generated set
+                  (3,670 JPEGs, flower_photos' class counts, 240-500 px) unless --data;
+  (c) DDP at world size 1 vs the bare module, same step, several DDP options;
+  (d) on CPU, the project's step vs a bare PyTorch loop doing the same work
+      (catches per-step host syncs and logging all-reduces).
+Timings are medians over interleaved repeats after warm-up; on CUDA every
+timed region ends in a host sync (the loop's own .item()). Results go to
+OUT/benchmark.json and OUT/benchmark.md; the table is printed last.
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from model import create_model  # noqa: E402
+from utils.engine import train_one_epoch  # noqa: E402
+from utils.optim import build_optimizer, build_scaler, build_scheduler, resolve_amp  # noqa: E402
+
+DDP_BOUND, BARE_BOUND, RATIO_TARGET, EPOCH_TARGET_S = 1.05, 1.05, 0.90, 0.6
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes for CPU/CI")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--img-size", type=int, default=None)
+    p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
+    p.add_argument("--channels-last", default="true", choices=("true", "false"))
+    p.add_argument("--pipelines", default=None, help="comma list of data.pipeline values for (b)")
+    p.add_argument("--epochs", type=int, default=None, help="(b): epochs per pipeline; the last one is reported")
+    p.add_argument("--steps", type=int, default=None, help="(a), (c), (d): timed steps per repeat")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="also measure the ceiling with torch.compile")
+    p.add_argument("--data", default=None, help="image folder for (b); default: generate the flower-sized set")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: ceiling,e2e,ddp,bare")
+    p.add_argument("--out-dir", default="runs/benchmark")
+    args = p.parse_args(argv)
+    q = args.quick
+    defaults = dict(model="resnet18" if q else "resnet34", batch_size=8 if q else 128, img_size=32 if q else 224,
+                    pipelines="pil,gpu", epochs=1 if q else 3, steps=3 if q else 50, repeats=1 if q else 5)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak host RSS of this process
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class Batches:
+    """A loader over a few fixed device-resident batches, cycled: no input cost at all."""
+
+    def __init__(self, batches, steps):
+        self.batches, self.steps = batches, steps
+
+    def __len__(self):
+        return self.steps
+
+    def __iter__(self):
+        return (self.batches[i % len(self.batches)] for i in range(self.steps))
+
+
+def synthetic(device, batch, img, channels_last, n=4, classes=5):
+    gen = torch.Generator().manual_seed(0)  # random, never zeros: zeros can run faster than real data
+    out = []
+    for _ in range(n):
+        x = torch.randn(batch, 3, img, img, generator=gen).to(device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        out.append((x, torch.randint(0, classes, (batch,), generator=gen).to(device)))
+    return out
+
+
+class Step:
+    """One model + optimizer + schedule, stepped by the project's train_one_epoch or by a bare loop."""
+
+    def __init__(self, name, device, amp_dtype, channels_last, wrap=None, seed=0):
+        torch.manual_seed(seed)
+        model = create_model(name, num_classes=5).to(device)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.bare = model
+        self.model = wrap(model) if wrap else model
+        optim_cfg = argparse.Namespace(lr=0.01, lrf=0.01, momentum=0.9, weight_decay=1e-4, warmup_epochs=0.0,
+                                       scale_lr=False)
+        self.opt = build_optimizer(model, optim_cfg)
+        self.sched = build_scheduler(self.opt, optim_cfg, 1000, 1000)
+        self.scaler = build_scaler(amp_dtype, device)
+        self.device, self.amp_dtype, self.channels_last = device, amp_dtype, channels_last
+
+    def project(self, loader):
+        """Seconds for one train_one_epoch over `loader` (it ends with a host sync)."""
+        sync(self.device)
+        t = time.perf_counter()
+        train_one_epoch(self.model, loader, self.opt, self.sched, self.scaler, self.device, 0,
+                        amp_dtype=self.amp_dtype, channels_last=self.channels_last)
+        return time.perf_counter() - t
+
+    def bare_loop(self, loader):
+        """The same work written as the shortest correct PyTorch loop, one sync at the end."""
+        self.model.train()
+        sync(self.device)
+        t = time.perf_counter()
+        for x, y in loader:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                loss = F.cross_entropy(self.model(x), y)
+            self.opt.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.sched.step()
+        loss.item()
+        return time.perf_counter() - t
+
+
+def interleaved(runs, loader, repeats):
+    """{name: median seconds per step}; variants alternate so machine load hits them alike."""
+    for fn in runs.values():
+        fn(loader)  # warm-up: cuDNN autotuning, DDP's first-step bucket rebuild, compilation
+    times = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, fn in runs.items():
+            times[k].append(fn(loader) / len(loader))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def measure_ceiling(args, device, amp_dtype, channels_last):
+    loader = Batches(synthetic(device, args.batch_size, args.img_size, channels_last), args.steps)
+    out = {}
+    variants = {"eager": None}
+    if args.compile:
+        variants["compiled"] = torch.compile
+    for name, wrap in variants.items():
+        reset_peak(device)
+        try:
+            step = Step(args.model, device, amp_dtype, channels_last, wrap=wrap)
+            warm = Batches(loader.batches, max(args.steps, 30) if name == "compiled" else args.steps)
+            step.project(warm)  # compile and autotune with enough steps before timing
+            s = interleaved({name: step.project}, loader, args.repeats)[name]
+        except Exception as e:  # noqa: BLE001 - a compiler failure is a result to report, not a crash
+            if name == "eager":
+                raise
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            continue
+        out[name] = {"step_ms": s * 1e3, "img_per_s": args.batch_size / s, "peak_mem_mb": peak_mb(device)}
+        del step
+    best = max((r for r in out.values() if "error" not in r), key=lambda r: r["img_per_s"])
+    return {**out["eager"], "variants": out, "best_img_per_s": best["img_per_s"]}
+
+
+def flower_folder(args, out_dir):
+    from utils.demo_dataset import FLOWER_PHOTOS_COUNTS, ensure_demo_dataset
+    if args.data:
+        return Path(args.data)
+    if args.quick:
+        return ensure_demo_dataset(out_dir / "data" / "tiny_flowers", images_per_class=10, min_size=40,
+                                   max_size=64)
+    root = REPO / "data" / "bench_flowers"  # kept between runs; data/ is git-ignored
+    t = time.perf_counter()
+    ensure_demo_dataset(root, images_per_class=FLOWER_PHOTOS_COUNTS)
+    print(f"flower-sized folder ready at {root} ({time.perf_counter() - t:.0f}s)", flush=True)
+    return root
+
+
+def measure_end_to_end(args, device, pipeline, data_root, out_dir):
+    """train.py's main() on the folder: the real loaders, loop, eval and checkpoints."""
+    import train
+    run_dir = out_dir / "runs" / pipeline
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = ["--device", str(device), "--data-path", str(data_root), "--batch-size", str(args.batch_size),
+            "--epochs", str(args.epochs), "--output-dir", str(run_dir),
+            f"model.name={args.model}", f"data.img_size={args.img_size}",
+            f"data.val_resize={round(args.img_size * 256 / 224)}", f"train.amp={args.amp}",
+            f"model.channels_last={args.channels_last}", f"data.pipeline={pipeline}"]
+    if args.quick:
+        argv.append("data.num_workers=0")
+    reset_peak(device)
+    t = time.perf_counter()
+    train.main(argv)
+    wall = time.perf_counter() - t
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    return {"img_per_s": last["img_per_s"], "train_seconds": last["train_seconds"],
+            "val_seconds": last["val_seconds"], "epoch_seconds": last["train_seconds"] + last["val_seconds"],
+            "epoch_seconds_with_checkpoint": last["epoch_seconds"], "val_acc": last["val_acc"],
+            "epochs": len(rows), "wall_seconds": wall,
+            "setup_seconds": wall - sum(r["epoch_seconds"] for r in rows), "peak_mem_mb": peak_mb(device)}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_ddp(args, device, amp_dtype, channels_last):
+    """DDP at world size 1 vs the bare module (train.py's case), same step, interleaved."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from utils.config import load_config
+    configured = dict(load_config([]).ddp)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        ids = [device.index] if device.type == "cuda" else None
+        options = {"ddp_pytorch_defaults": {}, "ddp_configured": configured,
+                   "ddp_configured_static": {**configured, "static_graph": True},
+                   "ddp_configured_bucket100": {**configured, "bucket_cap_mb": 100}}
+        steps = {"bare": Step(args.model, device, amp_dtype, channels_last)}
+        for name, kw in options.items():
+            steps[name] = Step(args.model, device, amp_dtype, channels_last,
+                               wrap=lambda m, kw=kw: DDP(m, device_ids=ids, **kw))
+        loader = Batches(synthetic(device, args.batch_size, args.img_size, channels_last), args.steps)
+        med = interleaved({k: s.project for k, s in steps.items()}, loader, args.repeats)
+    finally:
+        dist.destroy_process_group()
+    variants = {k: {"step_ms": v * 1e3, "ratio": v / med["bare"]} for k, v in med.items()}
+    ratio = variants["ddp_configured"]["ratio"]
+    return {"configured_options": configured, "variants": variants, "ratio": ratio,
+            "best": min((k for k in variants if k != "bare"), key=lambda k: variants[k]["ratio"]),
+            "bound": DDP_BOUND, "ok": ratio <= DDP_BOUND}
+
+
+def measure_bare(args):
+    """(d) on CPU: a small model, the project's step vs the bare loop, same batches, same run."""
+    cpu = torch.device("cpu")
+    img, batch, steps = (16, 4, 8) if args.quick else (32, 16, 20)
+    loader = Batches(synthetic(cpu, batch, img, False), steps)
+    project, bare = Step("resnet18", cpu, None, False), Step("resnet18", cpu, None, False)
+    med = interleaved({"project": project.project, "bare": bare.bare_loop}, loader, max(args.repeats, 3))
+    ratio = med["project"] / med["bare"]
+    return {"model": f"resnet18 {img}px batch {batch} fp32", "device": "cpu", "threads": torch.get_num_threads(),
+            "project_step_ms": med["project"] * 1e3, "bare_step_ms": med["bare"] * 1e3, "ratio": ratio,
+            "bound": BARE_BOUND, "ok": ratio <= BARE_BOUND}
+
+
+def describe(device):
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "load_avg_at_start": os.getloadavg(), "device": str(device),
+            "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    import torchvision
+    meta["torchvision"] = torchvision.__version__
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+        meta["cuda"] = torch.version.cuda
+    else:
+        meta["cpu"] = platform.processor() or platform.machine()
+    return meta
+
+
+def table(res):
+    rows = [("metric", "value", "target", "met")]
+    fmt = lambda v, d=0: f"{v:,.{d}f}"  # noqa: E731
+    if "ceiling" in res:
+        for name, r in res["ceiling"]["variants"].items():
+            rows.append((f"ceiling img/s ({name})", r["error"][:60] if "error" in r else fmt(r["img_per_s"]), "", ""))
+        rows.append((f"ceiling {res['settings']['memory']}", fmt(res["ceiling"]["peak_mem_mb"]), "", ""))
+    for pipe, r in res.get("end_to_end", {}).items():
+        ratio = r.get("ratio_to_ceiling")
+        gpu = res["meta"]["device"].startswith("cuda")
+        rows.append((f"e2e img/s ({pipe})", fmt(r["img_per_s"]), "", ""))
+        if ratio is not None:
+            rows.append((f"e2e / ceiling ({pipe})", fmt(ratio, 3), f">= {RATIO_TARGET}" if gpu else "(GPU only)",
+                         ("yes" if ratio >= RATIO_TARGET else "NO") if gpu else ""))
+        rows.append((f"epoch s, train+eval ({pipe})", fmt(r["epoch_seconds"], 2),
+                     f"<= {EPOCH_TARGET_S}" if gpu else "(GPU only)",
+                     ("yes" if r["epoch_seconds"] <= EPOCH_TARGET_S else "NO") if gpu else ""))
+        rows.append((f"val_acc after {r['epochs']} epochs ({pipe})", fmt(r["val_acc"], 3), "", ""))
+        rows.append((f"{res['settings']['memory']} ({pipe})", fmt(r["peak_mem_mb"]), "", ""))
+    if "ddp_ws1" in res:
+        d = res["ddp_ws1"]
+        for k, v in d["variants"].items():
+            if k != "bare":
+                rows.append((f"DDP ws1 / bare step ({k})", fmt(v["ratio"], 3), "", ""))
+        rows.append(("DDP ws1 / bare step (configured)", fmt(d["ratio"], 3), f"<= {d['bound']}",
+                     "yes" if d["ok"] else "NO"))
+    if "bare_loop" in res:
+        b = res["bare_loop"]
+        rows.append(("CPU project / bare loop step", fmt(b["ratio"], 3), f"<= {b['bound']}",
+                     "yes" if b["ok"] else "NO"))
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines.insert(1, "|" + "---|" * 4)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from utils.distributed_utils import resolve_device
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # as the entry scripts do
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    amp_dtype = resolve_amp(args.amp, device)
+    channels_last = args.channels_last == "true" and device.type == "cuda"
+    skip = set(filter(None, args.skip.split(",")))
+    res = {"meta": describe(device), "settings": {
+        "model": args.model, "batch_size": args.batch_size, "img_size": args.img_size,
+        "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "off", "channels_last": channels_last,
+        "steps": args.steps, "repeats": args.repeats, "epochs": args.epochs,
+        "memory": "peak MiB allocated (CUDA)" if device.type == "cuda" else "peak host RSS MiB (process so far)"}}
+    if "ceiling" not in skip:
+        print("(a) ceiling: train step on device-resident synthetic batches", flush=True)
+        res["ceiling"] = measure_ceiling(args, device, amp_dtype, channels_last)
+    if "e2e" not in skip:
+        data_root = flower_folder(args, out_dir)
+        res["end_to_end"] = {}
+        for pipe in args.pipelines.split(","):
+            print(f"(b) end to end: train.py on {data_root}, data.pipeline={pipe}", flush=True)
+            r = measure_end_to_end(args, device, pipe, data_root, out_dir)
+            if "ceiling" in res:
+                r["ratio_to_ceiling"] = r["img_per_s"] / res["ceiling"]["img_per_s"]
+            res["end_to_end"][pipe] = r
+    if "ddp" not in skip:
+        print("(c) DDP world size 1 vs bare module", flush=True)
+        res["ddp_ws1"] = measure_ddp(args, device, amp_dtype, channels_last)
+    if "bare" not in skip:
+        print("(d) CPU: project train step vs a bare PyTorch loop", flush=True)
+        res["bare_loop"] = measure_bare(args)
+    md = table(res)
+    meta = res["meta"]
+    header = (f"{meta['date']} on {meta.get('gpu', meta.get('cpu'))} ({meta['cpu_count']} CPU cores, load "
+              f"{meta['load_avg_at_start'][0]:.1f}), torch {meta['torch']}, torchvision {meta['torchvision']}; "
+              f"{args.model}, batch {args.batch_size}, {args.img_size} px, amp {res['settings']['amp']}, "
+              f"channels_last {channels_last}\n`{meta['command']}`\n\n")
+    (out_dir / "benchmark.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out_dir / "benchmark.md").write_text(header + md + "\n")
+    print("\n" + header + md, flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""data.pipeline=gpu: same augmentation distribution, same validation, reproducible, works in the real scripts.
+
+    python -m pytest tests/test_gpu_pipeline.py -q            # CPU; the CUDA part skips without a GPU
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import RandomResizedCrop
+from torchvision.transforms import functional as TF
+
+from conftest import FAST_ARGS, make_image_folder, run_entry  # noqa: F401 (run_entry: CUDA tests)
+from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from utils.config import load_config
+from utils.gpu_pipeline import crop_theta, sample_crops
+
+# Image sizes like flower_photos (240-500 px) plus extreme strips that force the centre-crop fallback.
+SIZES = [(240, 500), (333, 500), (500, 375), (480, 480), (260, 300), (60, 500), (500, 40)]
+
+
+def ks_statistic(a, b):
+    """Two-sample Kolmogorov-Smirnov distance between the empirical CDFs of a and b."""
+    a, b = torch.sort(torch.as_tensor(a, dtype=torch.float64))[0], torch.sort(torch.as_tensor(b, dtype=torch.float64))[0]
+    grid = torch.cat([a, b])
+    cdf_a = torch.searchsorted(a, grid, right=True) / len(a)
+    cdf_b = torch.searchsorted(b, grid, right=True) / len(b)
+    return (cdf_a - cdf_b).abs().max().item()
+
+
+def box_features(boxes, heights, widths):
+    top, left, h, w = (torch.as_tensor(c, dtype=torch.float64) for c in zip(*boxes))
+    H, W = torch.as_tensor(heights, dtype=torch.float64), torch.as_tensor(widths, dtype=torch.float64)
+    return {"area_fraction": h * w / (H * W), "aspect": w / h,
+            "centre_y": (top + h / 2) / H, "centre_x": (left + w / 2) / W}
+
+
+@pytest.mark.parametrize("min_scale", [0.08, 0.35])
+def test_crop_boxes_have_torchvision_distribution(min_scale):
+    n_per = 700
+    heights = [h for h, _ in SIZES for _ in range(n_per)]
+    widths = [w for _, w in SIZES for _ in range(n_per)]
+    boxes, flip = sample_crops(heights, widths, torch.Generator().manual_seed(1), scale=(min_scale, 1.0))
+    ours = box_features(boxes.tolist(), heights, widths)
+    torch.manual_seed(2)
+    ref_boxes = []
+    for h, w in zip(heights, widths):  # get_params only reads the size
+        ref_boxes.append(RandomResizedCrop.get_params(torch.empty(1, h, w), (min_scale, 1.0), (3 / 4, 4 / 3)))
+    ref = box_features(ref_boxes, heights, widths)
+    n = len(heights)
+    bound = 1.95 * math.sqrt(2 / n)  # KS critical value at alpha = 0.001 for two samples of n
+    for key in ours:
+        assert ks_statistic(ours[key], ref[key]) < bound, key
+    # Boxes are whole pixels inside the image, never below the configured area (except the fallback).
+    b = boxes
+    assert torch.equal(b, b.round()) and (b[:, 0] >= 0).all() and (b[:, 1] >= 0).all()
+    assert (b[:, 0] + b[:, 2] <= torch.tensor(heights)).all() and (b[:, 1] + b[:, 3] <= torch.tensor(widths)).all()
+    photo_like = n_per * 5  # the strips come last: their fallback crops may be smaller
+    assert ours["area_fraction"][:photo_like].min() > min_scale * 0.98
+    assert abs(flip.double().mean().item() - 0.5) < 4 * math.sqrt(0.25 / n)
+
+
+def test_batched_crop_equals_crop_then_resize():
+    """The affine grid reproduces crop + bilinear resize + flip of torchvision on a square image."""
+    gen = torch.Generator().manual_seed(0)
+    S, out = 64, 24
+    img = F.avg_pool2d(torch.rand(1, 3, S + 3, S + 3, generator=gen), 4, stride=1)  # smooth, S x S
+    boxes = torch.tensor([[8.0, 5.0, 40.0, 30.0], [0.0, 0.0, 64.0, 64.0], [20.0, 30.0, 12.0, 16.0]])
+    flip = torch.tensor([False, True, True])
+    theta = crop_theta(boxes, flip, [S] * 3, [S] * 3)
+    grid = F.affine_grid(theta, (3, 3, out, out), align_corners=False)
+    ours = F.grid_sample(img.expand(3, -1, -1, -1), grid, mode="bilinear", padding_mode="border",
+                         align_corners=False)
+    for k, (top, left, h, w) in enumerate(boxes.int().tolist()):
+        ref = TF.resized_crop(img, top, left, h, w, [out, out], antialias=False)
+        if flip[k]:
+            ref = ref.flip(-1)
+        # Inside the box both interpolate the same pixels; on its edge resized_crop clamps to the box
+        # while the grid reads the neighbours just outside it, so the outer 2 pixels are left out.
+        assert (ours[k] - ref[0])[:, 2:-2, 2:-2].abs().max() < 1e-4, k
+
+
+OVERRIDES = FAST_ARGS[2:]  # FAST_ARGS minus its leading "--device cpu": flags must precede key=value items
+assert FAST_ARGS[:2] == ["--device", "cpu"]
+
+
+def _cfg(root, *extra, device="cpu"):
+    return load_config(["--data-path", str(root), "--device", device, *OVERRIDES, "data.val_rate=0.5", *extra])
+
+
+def _loaders(cfg, device=torch.device("cpu")):
+    train_set, val_set, _ = build_datasets(cfg.data)
+    train = make_loader(train_set, cfg.train.batch_size, epoch_sampler(train_set, 0), cfg.data, device, train=True)
+    val = make_loader(val_set, cfg.train.batch_size, ShardSampler(val_set), cfg.data, device, train=False)
+    return train, val
+
+
+def test_validation_matches_pil_path_on_same_weights(tmp_path):
+    """Same weights, PIL vs gpu val loader: the same logits, so the same accuracy."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    torch.manual_seed(0)
+    from model import create_model
+    model = create_model("resnet18", 5).eval()
+    outs = {}
+    for pipe in ("pil", "gpu"):
+        _, val = _loaders(_cfg(root, f"data.pipeline={pipe}"))
+        with torch.no_grad():
+            logits, labels = zip(*[(model(x), y) for x, y in val])
+        outs[pipe] = torch.cat(logits), torch.cat(labels)
+    assert torch.equal(outs["pil"][1], outs["gpu"][1])
+    assert len(outs["gpu"][1]) == 20  # every val image exactly once (ShardSampler, no padding)
+    assert (outs["pil"][0] - outs["gpu"][0]).abs().max() < 1e-4
+    acc = {k: (v[0].argmax(1) == v[1]).double().mean().item() for k, v in outs.items()}
+    assert abs(acc["pil"] - acc["gpu"]) <= 0.005
+
+
+def test_train_batches_reproducible_per_epoch_and_sharded(tmp_path):
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    train, _ = _loaders(_cfg(root, "data.pipeline=gpu"))
+
+    def epoch(e, seed):
+        train.sampler.set_epoch(e)
+        train.generator.manual_seed(seed)
+        return [x for x, _ in train]
+
+    a, b, c = epoch(0, 5), epoch(0, 5), epoch(0, 6)
+    assert len(a) == len(train) == 20 // 4 and a[0].shape == (4, 3, 32, 32)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])  # another seed: other crops
+    assert a[0].mean().abs() < 3 and 0.05 < a[0].std() < 3  # normalised, not raw 0..255
+    # DDP: each rank reads its own half through the sampler it is given.
+    train_set = train.dataset
+    cfg = _cfg(root, "data.pipeline=gpu")
+    halves = [make_loader(train_set, 2, epoch_sampler(train_set, 0, 2, r), cfg.data, torch.device("cpu"), True)
+              for r in (0, 1)]
+    idx = [set(h.sampler) for h in halves]
+    assert not idx[0] & idx[1] and len(idx[0] | idx[1]) == 20
+
+
+def test_pipeline_key_is_validated():
+    from utils.errors import UserError
+    with pytest.raises(UserError, match="data.pipeline"):
+        load_config(["data.pipeline=dali"])
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_pipeline_matches_cpu_and_never_syncs(tmp_path):
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    cfg = _cfg(root, "data.pipeline=gpu", device="cuda")
+    dev = torch.device("cuda")
+    train_gpu, val_gpu = _loaders(cfg, dev)
+    train_cpu, val_cpu = _loaders(cfg)
+    assert train_gpu.images.is_cuda  # data.cache_on_device: the cache lives in GPU memory
+    for loader in (train_gpu, train_cpu):
+        loader.sampler.set_epoch(0)
+        loader.generator.manual_seed(3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host<->device sync while batching raises
+    try:
+        gpu_batches = [(x, y) for x, y in train_gpu]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for (xg, yg), (xc, yc) in zip(gpu_batches, train_cpu):
+        assert xg.is_cuda and torch.equal(yg.cpu(), yc)
+        assert (xg.cpu() - xc).abs().max() < 1e-3  # same boxes, same interpolation, other hardware
+    for (xg, _), (xc, _) in zip(val_gpu, val_cpu):
+        assert (xg.cpu() - xc).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@cuda
+def test_cuda_scripts_with_gpu_pipeline_and_compile(tmp_path):
+    root = make_image_folder(tmp_path / "f", per_class=6)
+    args = ["--data-path", root, "--device", "cuda", *OVERRIDES, "data.pipeline=gpu"]
+    r = run_entry("train.py", "--output-dir", tmp_path / "a", *args, "train.compile=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_entry("train_multi_gpu_ddp.py", "--output-dir", tmp_path / "b", *args, nproc=1)
+    assert r.returncode == 0, r.stderr[-2000:]
