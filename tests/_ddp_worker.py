@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -91,12 +91,19 @@ def eval_fixed(dist_info, image_root):
     model = build_model(cfg.model, len(classes), device, verbose=False)
     if dist_info.distributed:
         model = DDP(model)
+        # As after training: BatchNorm statistics differ between ranks (each saw its own batches).
+        # evaluate() must use rank 0's, the checkpointed ones the one-process reference has.
+        for name, buf in model.module.named_buffers():
+            if rank and name.endswith(("running_mean", "running_var")):
+                buf.add_(0.5 * rank)
     results = {}
-    for batch in EVAL_BATCHES:
-        loader = make_loader(val_set, batch, ShardSampler(val_set, world, rank), cfg.data, device, train=False)
+    # First a single image, so some ranks have no validation batch at all, while DDP still owes
+    # its first-forward buffer broadcast (as after every training epoch).
+    for name, batch, images in [("one", 4, Subset(val_set, [3]))] + [(str(b), b, val_set) for b in EVAL_BATCHES]:
+        loader = make_loader(images, batch, ShardSampler(images, world, rank), cfg.data, device, train=False)
         out = evaluate(model, loader, device, len(classes))
         out.pop("val_seconds")
-        results[str(batch)] = {**out, "val_size": len(val_set)}
+        results[name] = {**out, "val_size": len(images)}
     return results
 
 

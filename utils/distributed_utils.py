@@ -172,6 +172,24 @@ def gather_objects(obj):
     return out
 
 
+def broadcast_buffers(model, src=0):
+    """Rank `src`'s buffers (BatchNorm running statistics) on every rank. Called by every rank.
+
+    Used before evaluation: the ranks' statistics drift apart in training (each updates
+    them from its own batches), and the checkpoint holds rank 0's. DDP would broadcast them
+    itself in its first forward after training, but a rank with no validation batch (fewer
+    images than processes) never makes that forward, and the others would wait forever; so
+    it is done here, and DDP is told it is done.
+    """
+    if not is_dist_avail_and_initialized():
+        return
+    for buf in model.buffers():
+        dist.broadcast(buf.data, src)
+    for module in model.modules():
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module.require_forward_param_sync = False  # the state DDP itself leaves after a no-grad forward
+
+
 def broadcast_object(obj, src=0):
     """Rank `src`'s Python object on every rank (e.g. the run directory name)."""
     if not is_dist_avail_and_initialized():
