@@ -99,7 +99,9 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
         raise UserError(f"data path '{root}' does not exist or is not a folder; "
                         "set --data-path (or data.demo=true to generate the demo set there)")
     top = _class_dirs(root)
-    ignored = [str(root / f) for f in os.listdir(root) if (root / f).is_file()]
+    # Hidden files beside the class folders (.DS_Store, the demo set's .complete marker) are no one's
+    # mistake; files inside class folders are counted below, hidden or not.
+    ignored = [str(root / f) for f in os.listdir(root) if (root / f).is_file() and not f.startswith(".")]
     if top == ["train", "val"]:
         if _class_dirs(root / "val") != _class_dirs(root / "train"):
             raise UserError(f"'{root}/train' and '{root}/val' must hold the same class folders")

@@ -58,8 +58,21 @@ def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / script)]
     else:
         cmd = [sys.executable, str(REPO / script)]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=cwd)
+    proc = subprocess.Popen(cmd + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=full_env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: torchrun then stops its workers, which sit in sessions of their own and
+        # would otherwise hang on until the process-group timeout.
+        proc.terminate()
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def pytest_configure(config):
