@@ -4,6 +4,9 @@
 #   bash tools/gpu_checks.sh                      # on a CUDA machine, from anywhere
 #   # through the device tool of this workplace (omegaconf is carried as a wheel in the ignored .whl/):
 #   run(command="bash tools/gpu_checks.sh", carry=[".whl"], timeout_s=540)
+#   # .whl/ (git-ignored) is filled once, here, where pip can reach the registry:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0   # its one need, PyYAML, is on the GPU image
 #
 # Steps, each under its own time limit so one hang cannot eat the others:
 #   1. pytest -m gpu            the CUDA-only tests (gpu pipeline on the device, sync-free batching,
