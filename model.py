@@ -14,7 +14,9 @@ from utils.errors import UserError
 def create_model(name="resnet34", num_classes=5):
     """A randomly initialised torchvision ResNet (`weights=None`: nothing is downloaded)."""
     builder = getattr(torchvision.models, name)
-    return builder(weights=None, num_classes=num_classes)
+    # zero_init_residual: each residual block starts as the identity, which lets a network
+    # trained from scratch take a large learning rate from the first steps (Goyal et al., 2017).
+    return builder(weights=None, num_classes=num_classes, zero_init_residual=True)
 
 
 def strip_wrapper_prefixes(state_dict):
