@@ -45,7 +45,7 @@ class Launch:
 
     def __init__(self, script, args, *launcher_args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *launcher_args,
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / script), *map(str, args)]
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / script), *map(str, args)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, cwd=REPO)
