@@ -54,6 +54,22 @@ def resolve_device(requested="auto"):
         raise UserError(f"--device '{requested}' is not a device; use auto, cpu, cuda or cuda:N") from None
 
 
+def _restart_store(world_size, timeout):
+    """Under torchrun, the agent's store with a key space of its own for each restart attempt.
+
+    torchrun keeps one store for the whole job; after `--max-restarts` restarts
+    the group, the new workers would otherwise find the dead workers' gloo/NCCL
+    addresses under the same keys and try to connect to them (seen as a refused
+    connection, or a hang in process-group creation, in tests/test_kill_resume.py).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"train_template/attempt_{attempt}", agent_store)
+
+
 def init_distributed_mode(device="auto", timeout_minutes=30):
     """Join the process group described by the environment and pick this rank's device.
 
@@ -77,8 +93,11 @@ def init_distributed_mode(device="auto", timeout_minutes=30):
     if "MASTER_ADDR" not in os.environ:  # srun without torchrun: single-node default
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-    kwargs = dict(backend=backend, rank=rank, world_size=world_size,
-                  timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    store = _restart_store(world_size, timeout)
+    if store is not None:
+        kwargs["store"] = store
     if backend == "nccl":
         kwargs["device_id"] = dev  # binds NCCL to this GPU at once; no stray context on GPU 0
     try:
