@@ -264,6 +264,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     where = f"epoch {start_epoch + 1}" + (f" after its step {mid['epoch_step']}" if mid else "")
     logger.info(f"run directory: {run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
                                                  f"{global_step})" if resume_path else ""))
+    if cfg.train.amp in ("bf16", "fp16") and amp_dtype is None:
+        notes.append(f"note: train.amp={cfg.train.amp} applies on CUDA only; this {device.type} run computes in fp32")
     for note in notes:
         logger.info(note)
     logger.info(f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val images, "
