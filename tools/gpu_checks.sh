@@ -9,7 +9,8 @@
 #       --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0   # its one need, PyYAML, is on the GPU image
 #
 # Steps, each under its own time limit so one hang cannot eat the others:
-#   1. pytest -m gpu            the CUDA-only tests (gpu pipeline on the device, sync-free batching,
+#   1. pytest -m gpu            the CUDA-only tests (the three scripts on CUDA, SyncBN, resume on CUDA,
+#                               SyncBN == global-batch BN, gpu pipeline on the device, sync-free batching,
 #                               torch.compile and DDP with the gpu pipeline)
 #   2. benchmarks/benchmark.py  ResNet34, batch 128, bf16, channels_last, 224 px on the flower-sized
 #                               folder: ceiling (eager + compiled), end to end (gpu and pil pipelines),
@@ -51,9 +52,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, keep its log, remem
 
 # QUICK=1 rehearses this script on a CPU machine in a few minutes (tiny sizes; not a measurement).
 Q=${QUICK:+--quick}
-step gpu_tests 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/
-step benchmark 240 $PY benchmarks/benchmark.py $Q ${Q:---compile} --out-dir "$WORK/bench"
-step scaling 100 $PY benchmarks/scaling.py $Q --pipeline gpu ${Q:---epochs 2} --out-dir "$WORK/scaling"
+step gpu_tests 170 $PY -m pytest -q -m gpu -p no:cacheprovider tests/
+step benchmark 230 $PY benchmarks/benchmark.py $Q ${Q:---compile} --out-dir "$WORK/bench"
+step scaling 80 $PY benchmarks/scaling.py $Q --pipeline gpu ${Q:---epochs 2} --out-dir "$WORK/scaling"
 
 for f in bench/benchmark.json bench/benchmark.md scaling/scaling.json scaling/scaling.md scaling/scaling.png; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"

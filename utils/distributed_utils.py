@@ -125,7 +125,11 @@ def convert_sync_bn(model, enabled, device, verbose=True):
     if not enabled:
         return model
     if device.type == "cuda":
-        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if verbose:
+            count = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+            print(f"SyncBatchNorm: {count} BatchNorm layers now normalise over the global batch")
+        return model
     if verbose:
         print("warning: --syncBN True ignored: PyTorch's SyncBatchNorm needs CUDA GPUs; "
               "continuing with per-process BatchNorm")
