@@ -12,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 
 import utils.config as config
-from conftest import REPO
+from conftest import REPO, run_entry
 from utils.config import Config, load_config
 from utils.errors import UserError
 
@@ -206,3 +206,13 @@ def test_default_yaml_equals_schema_defaults():
     for key, value in in_schema.items():
         assert in_yaml[key] == value and type(in_yaml[key]) is type(value), \
             f"{key}: default.yaml has {in_yaml[key]!r}, schema {value!r}"
+
+
+@pytest.mark.slow
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    # Every rank parses the same command line; the error is the same everywhere, so rank 0 alone says it.
+    r = run_entry("train_multi_gpu_ddp.py", "--device", "cpu", "--epochs", "abc", nproc=2, cwd=tmp_path)
+    assert r.returncode != 0
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: bad value for 'train.epochs': Value 'abc' of type 'str' could not be "
+                      "converted to Integer"], errors

@@ -215,7 +215,19 @@ def _check_ranges(cfg):
 
 
 def load_config(argv=None, description=""):
-    """Parse argv into a validated, read-only DictConfig."""
+    """Parse argv into a validated, read-only DictConfig.
+
+    Every rank parses the same command line and files, so a config error is the
+    same everywhere: it is marked every_rank and printed once, by rank 0.
+    """
+    try:
+        return _load_config(argv, description)
+    except UserError as e:
+        e.every_rank = True
+        raise
+
+
+def _load_config(argv, description):
     # Intermixed: key=value overrides may sit before, between or after the flags.
     args = build_arg_parser(description).parse_intermixed_args(argv)
     schema = OmegaConf.structured(Config)

@@ -103,7 +103,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
                 bad = reduce_min(first_bad).item()  # all ranks saw the same NaN sum, all join this
                 raise UserError(f"loss is {window_loss} at epoch {epoch + 1}, step {bad}; stopping. "
                                 "The last good checkpoint is kept. Try a lower --lr or train.amp=off.",
-                                exit_code=RUNTIME_EXIT)
+                                exit_code=RUNTIME_EXIT, every_rank=True)
             now = time.perf_counter()
             speed = window_steps * labels.shape[0] * world_size / max(now - window_start, 1e-9)
             bar.set_postfix(loss=f"{window_loss:.4f}", img_s=f"{speed:.0f}",

@@ -14,11 +14,16 @@ RUNTIME_EXIT = 1  # the run started and could not go on (NaN loss, failed save, 
 
 
 class UserError(Exception):
-    """An error the user can fix; `exit_code` 2 for usage/config, 1 for runtime."""
+    """An error the user can fix; `exit_code` 2 for usage/config, 1 for runtime.
 
-    def __init__(self, message, exit_code=USAGE_EXIT):
+    `every_rank=True` marks an error that every rank raises identically (a bad
+    config, a NaN loss found by the shared all-reduce): only rank 0 prints it.
+    """
+
+    def __init__(self, message, exit_code=USAGE_EXIT, every_rank=False):
         super().__init__(message)
         self.exit_code = exit_code
+        self.every_rank = every_rank
 
 
 class BadImageError(UserError):
@@ -59,9 +64,11 @@ def cli_entry(main):
         except UserError as e:
             if debug_enabled():
                 traceback.print_exc()
-            # Every rank may hit the same error; one line per process is still
-            # one line per cause, and the exit code makes torchrun stop the group.
-            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+            # An error of one rank is printed by that rank; one that all ranks share
+            # is printed once. The exit code alone makes torchrun stop the group.
+            launch_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+            if not (getattr(e, "every_rank", False) and launch_rank != "0"):
+                print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
