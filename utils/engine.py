@@ -148,7 +148,9 @@ def evaluate(model, loader, device, num_classes, *, amp_dtype=None, channels_las
             logits = model(images)
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double()
         pred = logits.argmax(dim=1)
-        confusion += torch.bincount(labels * num_classes + pred, minlength=num_classes ** 2).double()
+        # index_add_, not bincount: bincount sizes its output from the data, a host sync on CUDA.
+        cells = labels * num_classes + pred
+        confusion.index_add_(0, cells, torch.ones_like(cells, dtype=confusion.dtype))
     totals = reduce_value(torch.cat([loss_sum.view(1), confusion]), average=False).cpu()
     confusion = totals[1:].view(num_classes, num_classes)  # rows: true class, columns: predicted
     count = confusion.sum().item()
