@@ -344,7 +344,10 @@ def resolve_num_workers(requested, device, procs_per_node=1):
     return max(1, min(8, (os.cpu_count() or 1) // procs_per_node))
 
 
-def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per_node=1):
+def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per_node=None):
+    # Processes on this node share its cores for workers; torchrun says how many.
+    if procs_per_node is None:
+        procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     workers = resolve_num_workers(data_cfg.num_workers, device, procs_per_node)
     if train and len(sampler) < batch_size:
         raise UserError(f"{len(sampler)} training images per process is fewer than the batch size "

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
 from utils.config import load_config
-from utils.distributed_utils import cleanup, convert_sync_bn, init_distributed_mode
+from utils.distributed_utils import convert_sync_bn, init_distributed_mode
 from utils.engine import fit
 from utils.errors import cli_entry
 
@@ -35,26 +35,21 @@ def main(argv=None):
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
     torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
-    try:
-        # -- data: a disjoint shard per rank, reshuffled each epoch via set_epoch in fit() --
-        train_set, val_set, classes = build_datasets(cfg.data)
-        train_sampler = epoch_sampler(train_set, cfg.train.seed, world, rank)
-        procs = dist_info.local_world_size
-        train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device,
-                                   train=True, procs_per_node=procs)
-        # Unpadded shards: each validation image is counted exactly once over all ranks.
-        val_loader = make_loader(val_set, cfg.train.batch_size, ShardSampler(val_set, world, rank), cfg.data,
-                                 device, train=False, procs_per_node=procs)
 
-        # -- model: SyncBN (CUDA only), then one DDP replica per process --
-        model = build_model(cfg.model, len(classes), device, verbose=rank == 0)
-        model = convert_sync_bn(model, cfg.model.sync_bn, device, verbose=rank == 0)
-        # cfg.ddp: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
+    # -- data: a disjoint shard per rank, reshuffled each epoch (set_epoch in fit); exact, unpadded val shards --
+    train_set, val_set, classes = build_datasets(cfg.data)
+    train_sampler = epoch_sampler(train_set, cfg.train.seed, world, rank)
+    train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
+    val_sampler = ShardSampler(val_set, world, rank)
+    val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
 
-        return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="ddp")
-    finally:
-        cleanup()
+    # -- model: SyncBN (CUDA only), then one DDP replica per process --
+    model = build_model(cfg.model, len(classes), device, verbose=rank == 0)
+    model = convert_sync_bn(model, cfg.model.sync_bn, device, verbose=rank == 0)
+    # cfg.ddp: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
+
+    return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="ddp")  # cli_entry cleans up
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ def main(argv=None):
     train_set, val_set, classes = build_datasets(cfg.data)
     train_sampler = epoch_sampler(train_set, cfg.train.seed)
     train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
-    val_loader = make_loader(val_set, cfg.train.batch_size, ShardSampler(val_set), cfg.data, device, train=False)
+    val_sampler = ShardSampler(val_set)
+    val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
 
     # -- model: replicated onto every GPU at each forward --
     model = nn.DataParallel(build_model(cfg.model, len(classes), device), device_ids=gpu_ids or None)

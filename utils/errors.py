@@ -73,5 +73,10 @@ def cli_entry(main):
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        finally:
+            # However main ends, leave no process group behind (a no-op outside DDP), so a
+            # script's main() can also be called twice in one process, as the tests do.
+            from utils.distributed_utils import cleanup  # imported late: it imports this module
+            cleanup()
 
     return wrapper
