@@ -29,6 +29,7 @@ from torchvision import transforms
 
 from utils.distributed_utils import gather_objects, get_rank, get_world_size, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
+from utils.gpu_pipeline import GpuLoader, resolve_pipeline
 
 # PIL's own decompression-bomb check warns or fails without naming the file;
 # load_rgb applies data.max_image_pixels itself, with the path in the message.
@@ -140,7 +141,13 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
     return split
 
 
+def _transform_args(data_cfg):
+    return dict(img_size=data_cfg.img_size, val_resize=data_cfg.val_resize, min_crop_scale=data_cfg.min_crop_scale)
+
+
 def build_transforms(img_size, val_resize, min_crop_scale=0.08):
+    """(train, val) transforms. Add your augmentation to `train`; data.pipeline=gpu reproduces only
+    RandomResizedCrop, RandomHorizontalFlip, ToTensor and Normalize and refuses anything else."""
     normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     train = transforms.Compose([
         transforms.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)),
@@ -201,6 +208,7 @@ class ImageList(Dataset):
     in a shared-memory tensor, so what DataLoader workers find reaches the
     main process (see sync_bad_images); 0 = not known bad, 1 = bad, 2 = bad and
     reported. Rank 0 warns at once; other ranks' finds are reported at epoch end.
+    The training loop calls `sync_bad_images` of any dataset that has one.
     """
 
     def __init__(self, samples, transform=None, bad_image="warn", max_pixels=0, known_bad=0):
@@ -237,28 +245,21 @@ class ImageList(Dataset):
             return img, label
         raise UserError(f"none of the {n} images could be read (see the warnings above)", RUNTIME_EXIT)
 
+    def sync_bad_images(self):
+        """The number of unreadable files found so far, over all ranks and loader workers.
 
-def sync_bad_images(*datasets):
-    """The number of unreadable files found so far, over all ranks and loader workers.
-
-    A collective: every rank calls it (fit does, after each epoch). Rank 0
-    warns about the files only other ranks met; all ranks then skip them.
-    """
-    total = 0
-    for ds in datasets:
-        flags = getattr(ds, "bad", None)
-        if flags is None:
-            continue
-        found = sorted(set().union(*gather_objects(flags.nonzero().flatten().tolist())))
+        A collective: every rank calls it (fit does, after each epoch). Rank 0
+        warns about the files only other ranks met; all ranks then skip them.
+        """
+        found = sorted(set().union(*gather_objects(self.bad.nonzero().flatten().tolist())))
         for i in found:
-            if flags[i] != 2 and ds.report_now:
+            if self.bad[i] != 2 and self.report_now:
                 try:
-                    load_rgb(ds.samples[i][0], ds.max_pixels)
+                    load_rgb(self.samples[i][0], self.max_pixels)
                 except BadImage as e:
                     print(f"warning: skipping unreadable image: {e}", file=sys.stderr, flush=True)
-        flags[found] = 2
-        total += len(found) + ds.known_bad
-    return total
+        self.bad[found] = 2
+        return len(found) + self.known_bad
 
 
 def _check_file(path, max_pixels):
@@ -302,7 +303,7 @@ def build_datasets(data_cfg):
         split.train = [s for s in split.train if s[0] not in bad_paths]
         split.val = [s for s in split.val if s[0] not in bad_paths]
         known_bad = len(bad)
-    train_tf, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
+    train_tf, val_tf = build_transforms(**_transform_args(data_cfg))
     opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels)
     return (ImageList(split.train, train_tf, known_bad=known_bad, **opts), ImageList(split.val, val_tf, **opts),
             split.classes)
@@ -352,11 +353,10 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     if train and len(sampler) < batch_size:
         raise UserError(f"{len(sampler)} training images per process is fewer than the batch size "
                         f"{batch_size}; lower --batch-size")
-    from utils.gpu_pipeline import GpuLoader, resolve_pipeline  # the fast path (data.pipeline), see there
-    if resolve_pipeline(data_cfg.pipeline, device) == "gpu":
-        from utils.distributed_utils import is_main_process
+    # The fast path (data.pipeline, utils/gpu_pipeline.py) reproduces the train transform built above, or refuses.
+    if resolve_pipeline(data_cfg.pipeline, device, build_transforms(**_transform_args(data_cfg))[0]) == "gpu":
         return GpuLoader(dataset, batch_size, sampler, data_cfg, device, train, workers=workers,
-                         verbose=is_main_process())
+                         verbose=is_main_process(), procs_per_node=procs_per_node)
     # No persistent_workers: workers take their seeds when an epoch starts, so a per-epoch
     # reseed of `generator` only reaches fresh workers (it keeps resumed runs exact).
     return DataLoader(

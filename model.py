@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torchvision
 
+from utils.checkpoint import strip_wrapper_prefixes
 from utils.errors import UserError
 
 
@@ -17,17 +18,6 @@ def create_model(name="resnet34", num_classes=5):
     # zero_init_residual: each residual block starts as the identity, which lets a network
     # trained from scratch take a large learning rate from the first steps (Goyal et al., 2017).
     return builder(weights=None, num_classes=num_classes, zero_init_residual=True)
-
-
-def strip_wrapper_prefixes(state_dict):
-    """Keys saved from DataParallel/DDP ('module.') or torch.compile ('_orig_mod.') -> plain keys."""
-    out = {}
-    for key, value in state_dict.items():
-        for prefix in ("module.", "_orig_mod."):
-            while key.startswith(prefix):
-                key = key[len(prefix):]
-        out[key] = value
-    return out
 
 
 def load_weights(model, path, map_location="cpu"):

@@ -15,9 +15,9 @@ import torch
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
 from utils.config import load_config
-from utils.distributed_utils import DistInfo, resolve_device
+from utils.distributed_utils import DistInfo, resolve_device, use_device
 from utils.engine import fit
-from utils.errors import cli_entry
+from utils.cli import cli_entry
 
 
 @cli_entry
@@ -25,10 +25,8 @@ def main(argv=None):
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
     # -- device: exactly one, --device auto = CUDA if present --
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
+    device = resolve_device(cfg.train.device)  # cuda:N or cpu
+    use_device(device)
     dist_info = DistInfo(device=device)
     if cfg.model.sync_bn:
         print("note: --syncBN applies to train_multi_gpu_ddp.py only; one device keeps plain BatchNorm")

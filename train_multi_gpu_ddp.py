@@ -22,18 +22,16 @@ from model import build_model
 from utils.config import load_config
 from utils.distributed_utils import convert_sync_bn, init_distributed_mode
 from utils.engine import fit
-from utils.errors import cli_entry
+from utils.cli import cli_entry
 
 
 @cli_entry
 def main(argv=None):
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
-    # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo --
+    # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo; without torchrun, a group of one --
     dist_info = init_distributed_mode(cfg.train.device)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
     torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
 
     # -- data: a disjoint shard per rank, reshuffled each epoch (set_epoch in fit); exact, unpadded val shards --

@@ -6,8 +6,8 @@
 --batch-size is the GLOBAL batch: each step scatters it over the GPUs, so it
 must be at least the number of GPUs. DataParallel is the easy path, not the
 fast one: the first GPU gathers outputs and holds extra memory, and one Python
-process drives all GPUs. Prefer train_multi_gpu_ddp.py. With one GPU or none it
-runs as a single device (the wrapper stays, so the code path is the same).
+process drives all GPUs. Prefer train_multi_gpu_ddp.py. Without a GPU
+(or with --device cpu) it trains on the CPU without the wrapper.
 """
 import sys
 
@@ -17,9 +17,11 @@ from torch import nn
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
 from utils.config import load_config
-from utils.distributed_utils import DistInfo, resolve_device
+from utils.distributed_utils import DistInfo, resolve_device, use_device
 from utils.engine import fit
-from utils.errors import UserError, cli_entry
+from utils.optim import AutocastForward, resolve_amp
+from utils.cli import cli_entry
+from utils.errors import UserError
 
 
 @cli_entry
@@ -32,10 +34,9 @@ def main(argv=None):
     if len(gpu_ids) > cfg.train.batch_size:
         raise UserError(f"--batch-size {cfg.train.batch_size} is smaller than the {len(gpu_ids)} GPUs "
                         "DataParallel splits it over; use at least one image per GPU")
-    if device.type == "cuda":
+    if gpu_ids:
         device = torch.device("cuda", gpu_ids[0])
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
+    use_device(device)
     dist_info = DistInfo(device=device)
     if cfg.model.sync_bn:
         print("note: --syncBN applies to train_multi_gpu_ddp.py only; DataParallel keeps per-GPU BatchNorm")
@@ -48,9 +49,13 @@ def main(argv=None):
     val_sampler = ShardSampler(val_set)
     val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
 
-    # -- model: replicated onto every GPU at each forward --
-    model = nn.DataParallel(build_model(cfg.model, len(classes), device), device_ids=gpu_ids or None)
-    print(f"DataParallel over {len(gpu_ids) or 'no'} GPU(s), global batch {cfg.train.batch_size}")
+    # -- model: replicated onto every GPU at each forward; on the CPU no wrapper (it would grab the GPUs) --
+    model = build_model(cfg.model, len(classes), device)
+    if gpu_ids:
+        # Each replica runs in a thread of its own, which does not inherit autocast's dtype.
+        model = nn.DataParallel(AutocastForward(model, resolve_amp(cfg.train.amp, device)), device_ids=gpu_ids)
+    print(f"DataParallel over {len(gpu_ids)} GPU(s), global batch {cfg.train.batch_size}" if gpu_ids
+          else f"no GPU: one {device} process without DataParallel, batch {cfg.train.batch_size}")
 
     return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="dp")
 

@@ -55,9 +55,16 @@ def test_init_distributed_mode_under_slurm(env):
     assert du.os.environ["MASTER_ADDR"] == "127.0.0.1" and du.os.environ["MASTER_PORT"] == "29500"
 
 
-def test_no_launcher_means_one_process(env):
-    info = du.init_distributed_mode("cpu")
-    assert (info.rank, info.world_size, info.distributed) == (0, 1, False)
+def test_no_launcher_means_a_group_of_one_process(env, capsys):
+    """`python train_multi_gpu_ddp.py` without torchrun: a real one-process group, so DDP can wrap the model."""
+    try:
+        info = du.init_distributed_mode("cpu")
+        assert (info.rank, info.world_size, info.distributed) == (0, 1, True)
+        assert du.dist.is_initialized() and du.dist.get_world_size() == 1
+        assert du.reduce_value(torch.tensor(3.0), average=False).item() == 3.0
+    finally:
+        du.cleanup()
+    assert "no torchrun or srun environment" in capsys.readouterr().out
 
 
 def count(model, kind):

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model import strip_wrapper_prefixes
 from utils.distributed_utils import any_rank
 from utils.errors import RUNTIME_EXIT, UserError
 
@@ -45,6 +44,17 @@ def unwrap(model):
             model = model._orig_mod
         else:
             return model
+
+
+def strip_wrapper_prefixes(state_dict):
+    """Keys saved from DataParallel/DDP ('module.') or torch.compile ('_orig_mod.') -> plain keys."""
+    out = {}
+    for key, value in state_dict.items():
+        for prefix in ("module.", "_orig_mod."):
+            while key.startswith(prefix):
+                key = key[len(prefix):]
+        out[key] = value
+    return out
 
 
 def rng_state():
@@ -214,7 +224,10 @@ def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None
     unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+    # A bf16, fp32 or CPU run saves an empty scaler state ({}), which GradScaler refuses to load:
+    # an fp16 run resumed from it starts its loss scale afresh.
+    if state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
     return state["epoch"], state["global_step"], state["best_acc"]
 
 

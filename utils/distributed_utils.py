@@ -6,6 +6,7 @@ collective; only the side effects (files, prints, bars) are rank-0 guarded.
 """
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,16 +43,44 @@ def read_launch_env():
     return None
 
 
-def resolve_device(requested="auto"):
-    """train.device -> torch.device for a single process: auto = CUDA if present, else CPU."""
+def _parse_device(requested):
+    """train.device -> torch.device, checked; creates no CUDA context."""
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(requested).startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {requested} asked for CUDA, but torch sees no CUDA device; use --device cpu")
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return torch.device(requested)
+        device = torch.device(requested)
     except RuntimeError:
-        raise UserError(f"--device '{requested}' is not a device; use auto, cpu, cuda or cuda:N") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device '{requested}' is not a device; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {requested} asked for CUDA, but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+def resolve_device(requested="auto"):
+    """train.device -> torch.device for a single process: auto = CUDA if present, else CPU.
+
+    A CUDA device always carries its index ("cuda" -> "cuda:0"): torch.cuda.set_device
+    refuses a device without one, and torch.device("cuda") != torch.device("cuda:0").
+    """
+    device = _parse_device(requested)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    # current_device() would create a CUDA context; before any CUDA call it is 0 anyway.
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+    if index >= count:
+        raise UserError(f"--device {requested}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
+
+
+def use_device(device):
+    """Make `device` (from resolve_device or init_distributed_mode) this process's current device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
 
 
 def _restart_store(world_size, timeout):
@@ -74,31 +103,47 @@ def init_distributed_mode(device="auto", timeout_minutes=30):
     """Join the process group described by the environment and pick this rank's device.
 
     `device` is the config's train.device: "auto" takes CUDA when present
-    (nccl), otherwise CPU (gloo). Outside torchrun/srun it returns a
-    single-process DistInfo, so the DDP script also runs as `python ...`.
+    (nccl), otherwise CPU (gloo). Outside torchrun/srun it forms a group of one
+    process, so `python train_multi_gpu_ddp.py` trains as one process, wrapped in
+    DDP like every rank of a bigger job.
     """
     launch = read_launch_env()
-    want_cuda = resolve_device(device).type == "cuda"
+    want_cuda = _parse_device(device).type == "cuda"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if launch is None:
-        return DistInfo(device=resolve_device(device))
+        dev = resolve_device(device)
+        use_device(dev)
+        print(f"note: no torchrun or srun environment: training as one process on {dev}; for N GPUs "
+              f"launch with: torchrun --nproc_per_node=N {os.path.basename(sys.argv[0])} ...", flush=True)
+        # An in-process store: a group of one needs no address or port.
+        _join(dict(backend="nccl" if want_cuda else "gloo", rank=0, world_size=1, timeout=timeout,
+                   store=dist.HashStore()), dev, rank=0)
+        return DistInfo(device=dev, distributed=True)
     rank, world_size, local_rank = launch
     if want_cuda:
         if local_rank >= torch.cuda.device_count():
             raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
                             "lower --nproc_per_node")
-        torch.cuda.set_device(local_rank)
         dev, backend = torch.device("cuda", local_rank), "nccl"
     else:
         dev, backend = torch.device("cpu"), "gloo"
+    use_device(dev)
     if "MASTER_ADDR" not in os.environ:  # srun without torchrun: single-node default
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-    timeout = datetime.timedelta(minutes=timeout_minutes)
     kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     store = _restart_store(world_size, timeout)
     if store is not None:
         kwargs["store"] = store
-    if backend == "nccl":
+    _join(kwargs, dev, rank)
+    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE") or 1
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
+                    device=dev, distributed=True)
+
+
+def _join(kwargs, dev, rank):
+    """init_process_group, with a busy or unreachable address as one `error:` line."""
+    if kwargs["backend"] == "nccl":
         kwargs["device_id"] = dev  # binds NCCL to this GPU at once; no stray context on GPU 0
     try:
         try:
@@ -111,9 +156,6 @@ def init_distributed_mode(device="auto", timeout_minutes=30):
         raise UserError(f"rank {rank} could not join the process group at {where}: "
                         f"{str(e).splitlines()[0]}; if the port is in use (another run?), pick a free "
                         "one: torchrun --master_port=PORT, or --standalone", exit_code=RUNTIME_EXIT) from None
-    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE") or 1
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world,
-                    device=dev, distributed=True)
 
 
 def convert_sync_bn(model, enabled, device, verbose=True):

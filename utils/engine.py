@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from data import sync_bad_images
 from utils import checkpoint as ckpt
 from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, reduce_min,
@@ -301,7 +300,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
             val = evaluate(step_model, val_loader, device, len(classes), amp_dtype=amp_dtype,
                            channels_last=channels_last, logger=logger)
             # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
-            val["bad_images"] = sync_bad_images(train_loader.dataset, val_loader.dataset)
+            val["bad_images"] = sum(ds.sync_bad_images() for ds in (train_loader.dataset, val_loader.dataset)
+                                    if hasattr(ds, "sync_bad_images"))
             is_best = val["val_acc"] > best_acc
             best_acc = max(best_acc, val["val_acc"])
             saver.save(epoch + 1, global_step, best_acc, is_best=is_best)

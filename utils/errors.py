@@ -1,13 +1,8 @@
 """User-facing errors: one line on stderr and a non-zero exit, no traceback.
 
 Anything a user can cause (a typo in a config, a missing folder, an impossible
-batch size) is raised as a `UserError` and printed as `error: ...`. Set
-TRAIN_DEBUG=1 in the environment to get the full Python traceback instead.
+batch size) is raised as a `UserError`; utils/cli.py prints it as `error: ...`.
 """
-import functools
-import os
-import sys
-import traceback
 
 USAGE_EXIT = 2    # bad config, bad flag, bad path: the command line must change
 RUNTIME_EXIT = 1  # the run started and could not go on (NaN loss, failed save, ...)
@@ -48,35 +43,3 @@ def one_line(e):
     if "Original Traceback" in msg:
         msg = msg.rstrip().splitlines()[-1].split(": ", 1)[-1]
     return msg
-
-
-def debug_enabled():
-    return os.environ.get("TRAIN_DEBUG", "0").lower() not in ("", "0", "false", "no")
-
-
-def cli_entry(main):
-    """Wrap an entry script's main(): UserError -> `error: ...` and its exit code."""
-
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):
-        try:
-            return main(*args, **kwargs)
-        except UserError as e:
-            if debug_enabled():
-                traceback.print_exc()
-            # An error of one rank is printed by that rank; one that all ranks share
-            # is printed once. The exit code alone makes torchrun stop the group.
-            launch_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-            if not (getattr(e, "every_rank", False) and launch_rank != "0"):
-                print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-            sys.exit(e.exit_code)
-        except KeyboardInterrupt:
-            print("error: interrupted", file=sys.stderr, flush=True)
-            sys.exit(130)
-        finally:
-            # However main ends, leave no process group behind (a no-op outside DDP), so a
-            # script's main() can also be called twice in one process, as the tests do.
-            from utils.distributed_utils import cleanup  # imported late: it imports this module
-            cleanup()
-
-    return wrapper

@@ -12,12 +12,19 @@ host RAM); each step then gathers a batch from the cache and does the random
 resized crop, the flip and the normalisation as a few batched kernels on the
 device (one affine grid_sample), in the training stream, with no host sync.
 
-What is kept exactly as in the PIL path (data.build_transforms):
+What it reads from the transforms data.py builds (dataset.transform): the
+train transform must be RandomResizedCrop, an optional RandomHorizontalFlip,
+ToTensor and Normalize, and their parameters (size, scale, ratio, flip
+probability, mean, std) are used here. Any other train transform (an added
+ColorJitter, say) cannot be reproduced batched on the device: data.pipeline=gpu
+then stops with one line, and data.pipeline=auto uses the PIL path.
+
+What is kept exactly as in the PIL path:
   * the augmentation DISTRIBUTION: crop boxes are drawn by `sample_crops`, a
     vectorised copy of torchvision's RandomResizedCrop.get_params (same 10
     attempts, same rounding, same centre-crop fallback) in the ORIGINAL image's
-    pixel coordinates, and flipped with probability 1/2 (tests compare the two
-    samplers with a Kolmogorov-Smirnov bound);
+    pixel coordinates, and flipped with the transform's probability (tests
+    compare the two samplers with a Kolmogorov-Smirnov bound);
   * validation pixels: the cache holds each val image after the very same PIL
     Resize + CenterCrop, and normalisation is the same float ops, so validation
     accuracy matches the PIL path (tests check it);
@@ -28,12 +35,20 @@ What is kept exactly as in the PIL path (data.build_transforms):
 What differs: a train image is cached stretched to a square of data.cache_size
 pixels (the crop box is mapped into it, so geometry is unchanged, but the
 source is resampled once, and a crop is then resized bilinearly without
-antialiasing). The whole set must fit in memory: about N x 3 x cache_size^2
-bytes (flower_photos at 320 px: 1.1 GB). For sets that do not fit, use the
-default PIL path.
+antialiasing).
+
+Memory: the whole set must fit, about N x 3 x cache_size^2 bytes (flower_photos
+at 320 px: 1.1 GB). Under DDP every rank decodes the whole training set and
+keeps its own cache (its sampler draws from all of it over the epochs): one
+copy per GPU in device memory, or one per process in pinned host RAM, so decode
+work and host memory grow with the processes on a node. Before decoding, a
+cache that would take more than half of the memory it can have (the free memory
+of its GPU, or the host's available RAM divided among this node's processes)
+is refused with one line. For such sets use the default PIL path.
 """
 import copy
 import math
+import os
 import time
 
 import numpy as np
@@ -41,18 +56,67 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader
-from torchvision import transforms
+from torchvision import transforms as T
 
-from data import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+from utils.errors import UserError
 
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
+DEVICE_TRAIN_STEPS = "RandomResizedCrop, RandomHorizontalFlip, ToTensor and Normalize"
 
 
-def resolve_pipeline(requested, device):
-    """data.pipeline -> 'pil' or 'gpu'; auto takes the fast path on CUDA only."""
+def _steps(transform):
+    return list(getattr(transform, "transforms", [transform]))
+
+
+def unsupported_train_steps(train_transform):
+    """The steps of the train transform this path cannot reproduce ([] if it can do them all)."""
+    steps = _steps(train_transform)
+    kinds = [type(t) for t in steps]
+    if (len(steps) in (3, 4) and kinds[0] is T.RandomResizedCrop and kinds[-2:] == [T.ToTensor, T.Normalize]
+            and (len(steps) == 3 or kinds[1] is T.RandomHorizontalFlip)):
+        return []
+    return [t for t in steps if type(t) not in (T.RandomResizedCrop, T.RandomHorizontalFlip, T.ToTensor,
+                                                 T.Normalize)] or steps
+
+
+def resolve_pipeline(requested, device, train_transform):
+    """data.pipeline -> 'pil' or 'gpu'; auto takes the fast path on CUDA when it can reproduce the transform."""
+    unsupported = unsupported_train_steps(train_transform)
     if requested == "auto":
-        return "gpu" if device.type == "cuda" else "pil"
+        return "gpu" if device.type == "cuda" and not unsupported else "pil"
+    if requested == "gpu" and unsupported:
+        names = ", ".join(type(t).__name__ for t in unsupported)
+        raise UserError(f"data.pipeline=gpu reproduces {DEVICE_TRAIN_STEPS} only, and the train transform "
+                        f"(data.py) also has {names}; use data.pipeline=pil (or auto), or implement it in "
+                        "utils/gpu_pipeline.py")
     return requested
+
+
+def host_available_bytes():
+    """The host memory a new allocation can take now (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_cache_fits(need_bytes, available_bytes, sharing, where):
+    """Refuse a cache over half of the memory it can have: `available_bytes` shared by `sharing` processes."""
+    if available_bytes is None:
+        return
+    budget = available_bytes / max(sharing, 1) / 2
+    if need_bytes > budget:
+        share = f" / {sharing} processes on this node" if sharing > 1 else ""
+        raise UserError(f"data.pipeline=gpu would cache {need_bytes / 2**30:.2f} GiB in {where}, over half of "
+                        f"the {available_bytes / 2**30:.2f} GiB available{share}; use data.pipeline=pil, "
+                        "or a smaller data.cache_size")
 
 
 def resolve_cache_size(data_cfg):
@@ -60,7 +124,7 @@ def resolve_cache_size(data_cfg):
     return data_cfg.cache_size if data_cfg.cache_size > 0 else int(math.ceil(1.25 * data_cfg.val_resize))
 
 
-def sample_crops(heights, widths, generator, scale=(0.08, 1.0), ratio=RATIO, attempts=10):
+def sample_crops(heights, widths, generator, scale=(0.08, 1.0), ratio=RATIO, attempts=10, flip_p=0.5):
     """RandomResizedCrop.get_params for a whole batch: (top, left, h, w) per image, plus flips.
 
     Same algorithm as torchvision: up to `attempts` tries of a uniform area
@@ -75,7 +139,7 @@ def sample_crops(heights, widths, generator, scale=(0.08, 1.0), ratio=RATIO, att
     u_area = torch.rand(n, attempts, generator=generator, dtype=torch.float64)
     u_ratio = torch.rand(n, attempts, generator=generator, dtype=torch.float64)
     u_pos = torch.rand(n, 2, generator=generator, dtype=torch.float64)
-    flip = torch.rand(n, generator=generator) < 0.5
+    flip = torch.rand(n, generator=generator) < flip_p
     target = area * (scale[0] + (scale[1] - scale[0]) * u_area)
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(log_lo + (log_hi - log_lo) * u_ratio)
@@ -150,7 +214,8 @@ def build_cache(dataset, item_fn, workers, pin=False, batch_size=32):
     """Decode every image of `dataset` once (in `workers` processes) -> (uint8 N x 3 x S x S, sizes N x 2).
 
     The dataset is copied with its transform swapped, so its own loading
-    (RGB conversion, error messages) is exactly what the PIL path uses.
+    (RGB conversion, error messages) is exactly what the PIL path uses. An
+    empty dataset (data.val_rate=0) gives an empty cache.
     """
     decoding = copy.copy(dataset)
     decoding.transform = item_fn
@@ -163,6 +228,8 @@ def build_cache(dataset, item_fn, workers, pin=False, batch_size=32):
         sizes[at:at + len(label)] = hw
         labels.append(label)
         at += len(label)
+    if images is None:
+        return torch.empty(0, 3, 1, 1, dtype=torch.uint8), sizes, torch.empty(0, dtype=torch.long)
     return images, sizes, torch.cat(labels)
 
 
@@ -170,36 +237,44 @@ class GpuLoader:
     """Drop-in for the DataLoader that make_loader returns: len(), .sampler, .generator, .dataset.
 
     Yields (images, labels) already on `device`, normalised, channels_last
-    when asked; the training loop's own .to(device) is then a no-op.
+    when asked; the training loop's own .to(device) is then a no-op. The
+    augmentation's parameters come from `dataset.transform` (see the top).
     """
 
     def __init__(self, dataset, batch_size, sampler, data_cfg, device, train, workers=0,
-                 channels_last=False, verbose=True):
+                 channels_last=False, verbose=True, procs_per_node=1):
         self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
         self.device, self.train, self.channels_last = device, train, channels_last
-        self.img_size = data_cfg.img_size
-        self.scale = (data_cfg.min_crop_scale, 1.0)
+        steps = _steps(dataset.transform)
+        norm = steps[-1]
+        if train:
+            crop = steps[0]
+            self.out_size, self.scale, self.ratio = tuple(crop.size), tuple(crop.scale), tuple(crop.ratio)
+            self.flip_p = steps[1].p if len(steps) == 4 else 0.0
+            size = resolve_cache_size(data_cfg)
+            item, shape = _TrainCacheItem(size), (3, size, size)
+        else:
+            # The PIL path's val transform up to ToTensor + Normalize, which run on the device here.
+            assert [type(t) for t in steps[-2:]] == [T.ToTensor, T.Normalize], f"unexpected val transform {steps}"
+            item, shape = _ValCacheItem(T.Compose(steps[:-2])), (3, data_cfg.img_size, data_cfg.img_size)
         self.generator = torch.Generator()  # reseeded every epoch by fit(): reproducible augmentation
         start = time.perf_counter()
-        on_device = device.type == "cuda" and data_cfg.cache_on_device
-        if train:
-            item = _TrainCacheItem(resolve_cache_size(data_cfg))
+        self.on_device = device.type == "cuda" and data_cfg.cache_on_device
+        pin = device.type == "cuda" and not self.on_device
+        where = "device memory" if self.on_device else ("pinned host memory" if pin else "host memory")
+        need = len(dataset) * math.prod(shape)
+        if self.on_device:
+            check_cache_fits(need, torch.cuda.mem_get_info(device)[0], 1, f"the memory of {device}")
         else:
-            _, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
-            # The PIL path's val transform minus ToTensor + Normalize, which run on the device here.
-            tail = [type(t) for t in val_tf.transforms[-2:]]
-            assert tail == [transforms.ToTensor, transforms.Normalize], f"unexpected val transform {val_tf}"
-            item = _ValCacheItem(transforms.Compose(val_tf.transforms[:-2]))
-        pin = device.type == "cuda" and not on_device
+            check_cache_fits(need, host_available_bytes(), procs_per_node, where)
         images, self.sizes, labels = build_cache(dataset, item, workers, pin=pin)
-        self.images = images.to(device) if on_device else images
+        self.images = images.to(device) if self.on_device else images
         self.labels = labels.to(device)
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        self.mean = torch.tensor(norm.mean, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(norm.std, device=device, dtype=torch.float32).view(1, 3, 1, 1)
         self.cache_seconds = time.perf_counter() - start
         self.cache_bytes = self.images.numel()
         if verbose:
-            where = "device memory" if on_device else ("pinned host memory" if pin else "host memory")
             print(f"gpu pipeline: {len(dataset)} {'train' if train else 'val'} images decoded once into "
                   f"{self.cache_bytes / 2**20:.0f} MiB of {where} in {self.cache_seconds:.1f}s", flush=True)
 
@@ -214,7 +289,7 @@ class GpuLoader:
 
     def _batch(self, idx):
         pin = self.device.type == "cuda"
-        if self.images.device != self.device:  # host cache: gather into pinned memory, copy async
+        if not self.on_device:  # host cache: gather into pinned memory, copy async
             pixels = torch.empty((len(idx),) + tuple(self.images.shape[1:]), dtype=torch.uint8, pin_memory=pin)
             torch.index_select(self.images, 0, idx, out=pixels)
             pixels = pixels.to(self.device, non_blocking=True)
@@ -223,9 +298,9 @@ class GpuLoader:
         labels = self.labels[_to(idx, self.device, pin)]
         if self.train:
             heights, widths = self.sizes[idx, 0], self.sizes[idx, 1]
-            boxes, flip = sample_crops(heights, widths, self.generator, scale=self.scale)
+            boxes, flip = sample_crops(heights, widths, self.generator, self.scale, self.ratio, flip_p=self.flip_p)
             theta = _to(crop_theta(boxes, flip, heights, widths), self.device, pin)
-            size = (len(idx), 3, self.img_size, self.img_size)
+            size = (len(idx), 3, *self.out_size)
             grid = F.affine_grid(theta, size, align_corners=False)
             # Interpolating uint8 values keeps normalisation identical to the PIL path's order of ops.
             pixels = F.grid_sample(pixels.float(), grid, mode="bilinear", padding_mode="border",

@@ -1,4 +1,5 @@
 """Optimizer, learning-rate schedule and mixed precision, built from the config."""
+import inspect
 import math
 
 import torch
@@ -46,8 +47,33 @@ def resolve_amp(amp, device):
     if device.type != "cuda" or amp == "off":
         return None  # CPU autocast is slower than fp32 for convolutions on most CPUs
     if amp == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _native_bf16() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+
+
+def _native_bf16():
+    """bf16 in hardware (Ampere and later). Since torch 2.3 is_bf16_supported() also counts
+    emulation, which makes V100 and T4 slow; they get fp16 with loss scaling instead."""
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.is_bf16_supported()
+
+
+class AutocastForward(torch.nn.Module):
+    """Runs `module` under autocast(dtype) inside its own forward.
+
+    DataParallel runs each GPU's replica in a thread of its own, and autocast's
+    dtype is per thread: the replicas would compute in fp16 (CUDA's default)
+    while bf16 was chosen and the GradScaler is off.
+    """
+
+    def __init__(self, module, dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype is not None):
+            return self.module(*args, **kwargs)
 
 
 def build_scaler(amp_dtype, device):
