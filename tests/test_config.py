@@ -74,8 +74,8 @@ def test_bool_dotted_override_false_really_is_false():
 # --------------------------------------------------------------------------- precedence
 
 def test_precedence_default_yaml_then_file_then_flags_then_dotted(tmp_path, monkeypatch):
-    """schema < default.yaml < --config FILE < classic flags < dotted overrides, each layer visible."""
-    # A private default.yaml, so the schema -> default.yaml step is visible too.
+    """default.yaml < --config FILE < classic flags < dotted overrides, each layer visible."""
+    # A private default.yaml, so the default.yaml step is visible too.
     default = yaml.safe_load(DEFAULT_YAML.read_text())
     default["optim"]["momentum"] = 0.5
     default["train"]["seed"] = 11
@@ -89,8 +89,8 @@ def test_precedence_default_yaml_then_file_then_flags_then_dotted(tmp_path, monk
 
     cfg = load_config(["--config", str(recipe), "--batch-size", "5", "--epochs", "6",
                        "train.epochs=7"])
-    assert cfg.optim.weight_decay == Config().optim.weight_decay  # nobody set it: schema value
-    assert cfg.optim.momentum == 0.5     # default.yaml over the schema
+    assert cfg.optim.weight_decay == default["optim"]["weight_decay"]  # nobody set it: default.yaml
+    assert cfg.optim.momentum == 0.5     # default.yaml's value
     assert cfg.train.seed == 12          # --config over default.yaml
     assert cfg.optim.lr == 0.4           # --config over default.yaml
     assert cfg.train.batch_size == 5     # flag over --config
@@ -199,13 +199,23 @@ def test_every_default_yaml_key_has_a_comment():
         assert len(comment) >= 10, f"{key} has no explanatory comment in default.yaml: {line!r}"
 
 
-def test_default_yaml_equals_schema_defaults():
+def test_each_default_stands_in_default_yaml_alone():
+    """The schema holds types only; every value comes from default.yaml, which has every key."""
     in_yaml = _flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
     in_schema = _flatten(OmegaConf.to_container(OmegaConf.structured(Config)))
     assert sorted(in_yaml) == sorted(in_schema)
-    for key, value in in_schema.items():
-        assert in_yaml[key] == value and type(in_yaml[key]) is type(value), \
-            f"{key}: default.yaml has {in_yaml[key]!r}, schema {value!r}"
+    assert set(in_schema.values()) == {"???"}, "a default value in utils/config.py: put it in default.yaml"
+    assert _flatten(OmegaConf.to_container(load_config([]))) == in_yaml
+
+
+def test_a_key_without_a_default_is_named(tmp_path, monkeypatch):
+    default = yaml.safe_load(DEFAULT_YAML.read_text())
+    del default["optim"]["momentum"]
+    path = tmp_path / "default.yaml"
+    path.write_text(yaml.safe_dump(default))
+    monkeypatch.setattr(config, "DEFAULT_CONFIG", path)
+    with pytest.raises(UserError, match="config key 'optim.momentum' has no value"):
+        load_config([])
 
 
 @pytest.mark.slow
@@ -214,5 +224,14 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
     r = run_entry("train_multi_gpu_ddp.py", "--device", "cpu", "--epochs", "abc", nproc=2, cwd=tmp_path)
     assert r.returncode != 0
     errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
-    assert errors == ["error: bad value for 'train.epochs': Value 'abc' of type 'str' could not be "
-                      "converted to Integer"], errors
+    assert errors == ["error: bad value for 'train.epochs' (set by --epochs abc): Value 'abc' of type 'str' "
+                      "could not be converted to Integer"], errors
+
+
+def test_a_bad_flag_value_names_the_flag_as_typed():
+    with pytest.raises(UserError) as e:
+        load_config(["--syncBN", "maybe"])
+    assert str(e.value).startswith("bad value for 'model.sync_bn' (set by --syncBN maybe): ")
+    with pytest.raises(UserError) as e:  # a dotted override is already named by its key
+        load_config(["model.sync_bn=maybe"])
+    assert str(e.value).startswith("bad value for 'model.sync_bn': ")

@@ -12,12 +12,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import REPO, make_image_folder
 from data import build_datasets, build_transforms, split_dataset
-from utils.config import DataConfig
+from utils.config import load_config
 
 
 def as_names(samples):
@@ -121,7 +120,7 @@ def test_extensions_are_case_insensitive(tmp_path):
 # --------------------------------------------------------------------------- images and transforms
 
 def _data_cfg(path, **kw):
-    return OmegaConf.structured(DataConfig(path=str(path), **kw))
+    return load_config([f"data.path={path}", *(f"data.{k}={v}" for k, v in kw.items())]).data
 
 
 def test_any_image_mode_becomes_rgb(tmp_path):

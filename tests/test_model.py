@@ -6,16 +6,15 @@ through the real train.py.
 import pytest
 import torch
 import torchvision
-from omegaconf import OmegaConf
 
 from conftest import FAST_ARGS, make_image_folder, run_entry
 from model import build_model, create_model, freeze_all_but_head, load_weights
-from utils.config import ModelConfig
+from utils.config import load_config
 from utils.errors import UserError
 
 
 def test_resnet34_from_torchvision_with_num_classes():
-    model = build_model(OmegaConf.structured(ModelConfig()), num_classes=7, device=torch.device("cpu"))
+    model = build_model(load_config([]).model, num_classes=7, device=torch.device("cpu"))
     assert isinstance(model, torchvision.models.ResNet)
     assert [len(model.layer1), len(model.layer2), len(model.layer3), len(model.layer4)] == [3, 4, 6, 3]
     assert model.fc.out_features == 7
@@ -69,7 +68,7 @@ def test_weights_with_wrapper_prefixes_load(tmp_path, wrap):
 
 def test_missing_weights_file_is_a_user_error(tmp_path):
     missing = tmp_path / "nope.pth"
-    cfg = OmegaConf.structured(ModelConfig(name="resnet18", weights=str(missing)))
+    cfg = load_config(["model.name=resnet18", f"model.weights={missing}"]).model
     with pytest.raises(UserError, match="nope.pth.*does not exist"):
         build_model(cfg, num_classes=5, device=torch.device("cpu"))
 

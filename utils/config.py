@@ -5,10 +5,11 @@ Precedence, later wins:
 
     python train.py --config configs/demo.yaml --epochs 3 optim.lr=0.05
 
-Everything is validated against the dataclass schema below before any work
-starts: an unknown key or a value of the wrong type stops with one line that
-names the key. The schema's defaults are deliberately the same as
-configs/default.yaml, so a recipe file only states what differs.
+The schema below holds each key's type; configs/default.yaml holds its
+default value and its one-line comment, and nothing else holds either. A new
+key is one line in each. Everything is validated before any work starts: an
+unknown key, a value of the wrong type or a key without a default stops with
+one line that names it.
 """
 import argparse
 import difflib
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from utils.errors import UserError
@@ -26,64 +27,65 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
 
+# Types only (MISSING: no value here). Each key's default and its comment: configs/default.yaml.
+
 @dataclass
 class DataConfig:
-    path: str = "data/flower_photos"
-    val_rate: float = 0.2
-    split_seed: int = 0
-    img_size: int = 224
-    min_crop_scale: float = 0.08
-    val_resize: int = 256
-    num_workers: int = -1
-    pin_memory: bool = True
-    pipeline: str = "pil"
-    cache_size: int = 0
-    cache_on_device: bool = True
-    demo: bool = False
-    demo_images_per_class: int = 60
-    bad_image: str = "warn"
-    verify: bool = False
-    max_image_pixels: int = 178956970
+    path: str = MISSING
+    val_rate: float = MISSING
+    split_seed: int = MISSING
+    img_size: int = MISSING
+    min_crop_scale: float = MISSING
+    val_resize: int = MISSING
+    num_workers: int = MISSING
+    pin_memory: bool = MISSING
+    pipeline: str = MISSING
+    cache_size: int = MISSING
+    cache_on_device: bool = MISSING
+    demo: bool = MISSING
+    demo_images_per_class: int = MISSING
+    bad_image: str = MISSING
+    verify: bool = MISSING
+    max_image_pixels: int = MISSING
 
 
 @dataclass
 class ModelConfig:
-    name: str = "resnet34"
-    weights: Optional[str] = None
-    freeze_layers: bool = False
-    sync_bn: bool = False
-    channels_last: bool = True
+    name: str = MISSING
+    weights: Optional[str] = MISSING
+    freeze_layers: bool = MISSING
+    sync_bn: bool = MISSING
+    channels_last: bool = MISSING
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 0.01
-    lrf: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_epochs: float = 0.0
-    scale_lr: bool = True
+    lr: float = MISSING
+    lrf: float = MISSING
+    momentum: float = MISSING
+    weight_decay: float = MISSING
+    warmup_epochs: float = MISSING
+    scale_lr: bool = MISSING
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 30
-    batch_size: int = 16
-    device: str = "auto"
-    amp: str = "auto"
-    seed: int = 0
-    log_every: int = 20
-    keep_last: int = 0
-    save_every_steps: int = 0
-    compile: bool = False
+    epochs: int = MISSING
+    batch_size: int = MISSING
+    device: str = MISSING
+    amp: str = MISSING
+    seed: int = MISSING
+    log_every: int = MISSING
+    keep_last: int = MISSING
+    save_every_steps: int = MISSING
+    compile: bool = MISSING
 
 
 @dataclass
 class DDPConfig:
-    # Passed as keyword arguments to DistributedDataParallel(...) by train_multi_gpu_ddp.py.
-    bucket_cap_mb: int = 25
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
+    bucket_cap_mb: int = MISSING
+    gradient_as_bucket_view: bool = MISSING
+    static_graph: bool = MISSING
 
 
 @dataclass
@@ -93,8 +95,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
-    output_dir: Optional[str] = None
-    resume: Optional[str] = None
+    output_dir: Optional[str] = MISSING
+    resume: Optional[str] = MISSING
 
 
 # Classic flag -> dotted key. Values are handed to OmegaConf as text, so the
@@ -143,22 +145,23 @@ def _all_keys(node, prefix=""):
     for k, v in node.items():
         full = f"{prefix}{k}"
         keys.append(full)
-        if isinstance(v, DictConfig):
+        if isinstance(v, dict):
             keys.extend(_all_keys(v, full + "."))
     return keys
 
 
-def _describe(e, schema):
-    """Turn an OmegaConf exception into one line that names the key."""
+def _describe(e, schema, flags_used):
+    """Turn an OmegaConf exception into one line that names the key (and the flag that set it)."""
     key = getattr(e, "full_key", None) or ""
     if isinstance(e, ConfigKeyError) or "not in" in str(e):
-        known = _all_keys(schema)
+        known = _all_keys(OmegaConf.to_container(schema))
         guess = difflib.get_close_matches(key, known, n=1)
         hint = f" (did you mean '{guess[0]}'?)" if guess else ""
         return f"unknown config key '{key}'{hint}"
     if isinstance(e, ValidationError):
         msg = str(e).splitlines()[0]
-        return f"bad value for '{key}': {msg}"
+        via = f" (set by {flags_used[key]})" if key in flags_used else ""
+        return f"bad value for '{key}'{via}: {msg}"
     return f"config: {str(e).splitlines()[0]}"
 
 
@@ -231,11 +234,12 @@ def _load_config(argv, description):
     # Intermixed: key=value overrides may sit before, between or after the flags.
     args = build_arg_parser(description).parse_intermixed_args(argv)
     schema = OmegaConf.structured(Config)
-    dotlist = []
+    dotlist, flags_used = [], {}
     for flag, key in CLASSIC_FLAGS.items():
         value = getattr(args, key.replace(".", "__"))
         if value is not None:
             dotlist.append(f"{key}={value}")
+            flags_used[key] = f"{flag} {value}"
     for item in args.overrides:
         if "=" not in item:
             raise UserError(f"'{item}' is not a key=value override (e.g. optim.lr=0.05)")
@@ -247,7 +251,11 @@ def _load_config(argv, description):
         layers.append(OmegaConf.from_dotlist(dotlist))
         cfg = OmegaConf.merge(*layers)
     except OmegaConfBaseException as e:
-        raise UserError(_describe(e, schema)) from None
+        raise UserError(_describe(e, schema, flags_used)) from None
+    missing = OmegaConf.missing_keys(cfg)
+    if missing:
+        raise UserError(f"config key '{sorted(missing)[0]}' has no value; give it its default and a "
+                        f"one-line comment in {DEFAULT_CONFIG}")
     # YAML 1.1 reads a bare `off` (train.amp=off, or `amp: off` in a file) as the bool false,
     # which the str field then holds as "False"; both spellings mean no autocast.
     if cfg.train.amp == "False":
