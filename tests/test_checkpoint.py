@@ -20,7 +20,10 @@ import train_multi_gpu_ddp
 import train_multi_gpu_dp
 from _resume_utils import load, metrics, one_thread, run_args, run_main  # noqa: F401
 from conftest import REPO, free_port, make_image_folder
+from model import create_model
 from utils import checkpoint as ckpt
+from utils.config import load_config
+from utils.optim import build_optimizer, build_scheduler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ONE_EPOCH = ("train.batch_size=12",)  # 25 train images: 2 steps per epoch
@@ -183,3 +186,20 @@ def test_a_restarted_worker_continues_from_the_run_directory(tmp_path):
     other.write_bytes(b"")
     assert ckpt.find_resume_path(str(other), tmp_path) == other
     assert ckpt.find_resume_path(str(other), tmp_path, restarted=True) == last  # newer than --resume PATH
+
+
+def test_an_fp16_run_resumes_a_checkpoint_that_has_no_scaler_state(small_run):
+    """CPU, fp32 and bf16 runs save the disabled scaler's state, {}; torch refuses to load {} into an
+    enabled GradScaler, so resuming them with train.amp=fp16 used to stop with a traceback."""
+    state = load(small_run / "checkpoints" / "last.pt")
+    assert state["scaler"] == {}
+    with pytest.raises(RuntimeError, match="source state dict is empty"):
+        torch.amp.GradScaler("cpu", enabled=True).load_state_dict(state["scaler"])
+    cfg = load_config(["model.name=resnet18"])
+    model = create_model("resnet18", len(state["classes"]))
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, 10)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)  # what build_scaler(torch.float16, ...) gives on CUDA
+    epoch, step, _ = ckpt.restore(state, model, optimizer, scheduler, scaler, state["classes"], "resnet18")
+    assert (epoch, step) == (state["epoch"], state["global_step"])
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0 ** 16  # a fresh loss scale

@@ -3,17 +3,14 @@ tests/test_parallel_semantics.py).
 
     python -m pytest tests/test_distributed_utils.py -q
 
-Launch environment (torchrun and SLURM variables), SyncBN conversion as the
-DDP script does it, and a check that no collective sits under a rank guard.
+Launch environment (torchrun and SLURM variables) and SyncBN conversion as the
+DDP script does it. (That no collective sits under a rank guard is checked over the
+whole code base in tests/test_code_rules.py.)
 """
-import ast
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-from conftest import REPO
 from model import create_model
 from utils import distributed_utils as du
 
@@ -92,41 +89,3 @@ def test_sync_bn_on_cpu_warns_once_and_keeps_batchnorm(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: --syncBN True ignored"), lines
     assert count(model, nn.SyncBatchNorm) == 0
-
-
-# Calls that every rank must make. A call to one of these under `if <rank test>:` runs on some
-# ranks only: the others never join, and the job hangs or mixes up the next collective.
-COLLECTIVES = {"reduce_value", "reduce_min", "any_rank", "broadcast_object", "gather_objects", "barrier",
-               "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-               "broadcast_object_list", "reduce", "gather", "scatter", "reduce_scatter", "all_to_all",
-               "init_process_group", "destroy_process_group", "cleanup"}
-RANK_WORDS = ("rank", "main", "is_main_process", "master")
-
-
-def collectives_under_rank_guard(source, filename="<src>"):
-    """[(line, call)] for each collective called in a branch of an `if`/`x if c else y` on the rank."""
-    found = []
-    for node in ast.walk(ast.parse(source, filename)):
-        if not isinstance(node, (ast.If, ast.IfExp)):
-            continue
-        test = ast.unparse(node.test)
-        if not any(word in test for word in RANK_WORDS):
-            continue
-        branches = (node.body + node.orelse) if isinstance(node, ast.If) else [node.body, node.orelse]
-        for branch in branches:
-            for sub in ast.walk(branch):
-                if isinstance(sub, ast.Call):
-                    name = getattr(sub.func, "attr", None) or getattr(sub.func, "id", None)
-                    if name in COLLECTIVES:
-                        found.append((sub.lineno, name))
-    return found
-
-
-def test_no_collective_under_a_rank_guard():
-    files = sorted(REPO.glob("*.py")) + sorted((REPO / "utils").glob("*.py"))
-    assert len(files) >= 8
-    bad = {f.name: hits for f in files if (hits := collectives_under_rank_guard(f.read_text(), str(f)))}
-    assert not bad, f"collectives called on some ranks only: {bad}"
-    # The check does catch the classic mistake.
-    broken = "if is_main_process():\n    total = reduce_value(total)\nx = y if rank == 0 else barrier()\n"
-    assert collectives_under_rank_guard(broken) == [(2, "reduce_value"), (3, "barrier")]

@@ -1,96 +1,307 @@
-"""Loop-level pieces of utils/optim.py used by utils/engine.fit: the warm-up + cosine
-schedule, the autocast dtype choice and the linear lr scaling with world size.
+"""utils/engine.py, called directly on tiny in-memory data: evaluate, train_one_epoch and fit.
 
     python -m pytest tests/test_engine.py -q
+
+A list of (images, labels) batches serves as a loader for train_one_epoch and evaluate;
+fit gets real loaders from data.make_loader over a TensorDataset. The results are
+checked against the same arithmetic done by hand. The loop's promise of no host sync
+per step is counted here on CPU, and checked on CUDA with torch's sync debug mode.
+(utils/optim.py, which fit uses for the optimizer, schedule and amp: tests/test_optim.py.)
 """
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from omegaconf import OmegaConf
+import torch.nn.functional as F
 
-from utils.config import OptimConfig
-from utils.optim import build_optimizer, build_scaler, build_scheduler, resolve_amp
+from data import ShardSampler, epoch_sampler, make_loader
+from utils import engine
+from utils.config import load_config
+from utils.distributed_utils import DistInfo
+from utils.errors import RUNTIME_EXIT, UserError
+from utils.optim import build_scaler
 
-
-def optim_cfg(**kw):
-    return OmegaConf.structured(OptimConfig(**kw))
-
-
-def lrs_per_step(cfg, epochs, steps_per_epoch, world_size=1):
-    """The lr each optimizer step runs with, plus the lr left after the last step."""
-    model = torch.nn.Linear(2, 2)
-    opt = build_optimizer(model, cfg, world_size)
-    sched = build_scheduler(opt, cfg, epochs, steps_per_epoch)
-    lrs = []
-    for _ in range(epochs * steps_per_epoch):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs, opt.param_groups[0]["lr"]
+CPU = torch.device("cpu")
 
 
-def test_cosine_runs_from_lr_to_lr_times_lrf():
-    lrs, final = lrs_per_step(optim_cfg(lr=0.1, lrf=0.01), epochs=4, steps_per_epoch=5)
-    assert lrs[0] == pytest.approx(0.1)
-    assert final == pytest.approx(0.1 * 0.01)
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))          # never goes up
-    assert lrs[10] == pytest.approx(0.1 * (1 + 0.01) / 2)     # half way: the cosine's midpoint
-    assert min(lrs) > 0.1 * 0.01                              # lr * lrf is the floor, reached at the end
+def tiny_model(num_classes=3, seed=0):
+    """12 inputs (3x2x2 images) -> num_classes, with a BatchNorm so train/eval mode matters."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 6), torch.nn.BatchNorm1d(6),
+                               torch.nn.ReLU(), torch.nn.Linear(6, num_classes))
 
 
-@pytest.mark.parametrize("warmup_epochs, warmup_steps", [(1.0, 10), (0.5, 5)])
-def test_linear_warmup_then_cosine(warmup_epochs, warmup_steps):
-    lrs, final = lrs_per_step(optim_cfg(lr=0.2, lrf=0.05, warmup_epochs=warmup_epochs),
-                              epochs=3, steps_per_epoch=10)
-    warm = lrs[:warmup_steps]
-    assert warm[0] == pytest.approx(0.2 / warmup_steps)
-    assert warm[-1] == pytest.approx(0.2)
-    steps = [b - a for a, b in zip(warm, warm[1:])]
-    assert all(s == pytest.approx(0.2 / warmup_steps) for s in steps)   # linear
-    cosine = lrs[warmup_steps:]
-    assert cosine[0] == pytest.approx(0.2)
-    assert all(a >= b for a, b in zip(cosine, cosine[1:]))
-    assert final == pytest.approx(0.2 * 0.05)
+def make_batches(sizes, num_classes=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 3, 2, 2, generator=g), torch.randint(0, num_classes, (n,), generator=g))
+            for n in sizes]
 
 
-@pytest.mark.parametrize("world_size, scale_lr, expected", [
-    (1, True, 0.01), (2, True, 0.02), (8, True, 0.08), (8, False, 0.01),
-])
-def test_lr_scales_linearly_with_world_size(world_size, scale_lr, expected):
-    lrs, _ = lrs_per_step(optim_cfg(lr=0.01, scale_lr=scale_lr), epochs=1, steps_per_epoch=2,
-                          world_size=world_size)
-    assert lrs[0] == pytest.approx(expected)
+def sgd(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
 
 
-def test_optimizer_holds_only_trainable_tensors():
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    model[0].requires_grad_(False)
-    opt = build_optimizer(model, optim_cfg())
-    held = {id(p) for g in opt.param_groups for p in g["params"]}
-    assert held == {id(p) for p in model[1].parameters()}
+# --------------------------------------------------------------------------- evaluate
+
+def test_evaluate_equals_a_hand_computation():
+    """Loss, accuracy and per-class accuracy over all batches (the last one short), in eval mode.
+    Class 3 has no validation image: its accuracy is reported as 0, not NaN."""
+    model = tiny_model(num_classes=4)
+    model.train()
+    for x, _ in make_batches([16, 16], num_classes=4, seed=5):  # running statistics worth using
+        model(x)
+    batches = make_batches([4, 4, 3], num_classes=3)            # labels 0..2 only
+    got = engine.evaluate(model, batches, CPU, num_classes=4)
+
+    assert not model.training
+    with torch.no_grad():
+        logits = torch.cat([model(x) for x, _ in batches]).double()
+    labels = torch.cat([y for _, y in batches])
+    pred = logits.argmax(1)
+    n = len(labels)
+    loss = (logits.logsumexp(1) - logits[torch.arange(n), labels]).sum().item() / n
+    per_class = [((pred == c) & (labels == c)).sum().item() / max((labels == c).sum().item(), 1)
+                 for c in range(4)]
+    assert got["val_count"] == n == 11
+    assert got["val_loss"] == pytest.approx(loss, rel=1e-6)
+    assert got["val_acc"] == pytest.approx((pred == labels).double().mean().item())
+    assert got["val_per_class_acc"] == pytest.approx(per_class)
+    assert 0 < got["val_acc"] < 1 and per_class[3] == 0.0  # neither all right nor all wrong
 
 
-# --------------------------------------------------------------------------- autocast
+# --------------------------------------------------------------------------- train_one_epoch
 
-@pytest.mark.parametrize("amp", ["auto", "off", "bf16", "fp16"])
-def test_amp_is_off_on_cpu(amp):
-    assert resolve_amp(amp, torch.device("cpu")) is None
+def test_train_one_epoch_loss_and_steps_match_a_hand_loop():
+    """train_loss is the mean over images of the per-step losses (each step's loss weighted by
+    its batch size), the same steps a plain loop takes, one optimizer and scheduler step per batch."""
+    model = tiny_model()
+    by_hand = copy.deepcopy(model)
+    batches = make_batches([4, 4, 4, 4, 3])
+    opt, sched = sgd(model)
+    steps = []
+    opt.register_step_post_hook(lambda *a: steps.append(1))
+
+    out = engine.train_one_epoch(model, batches, opt, sched, build_scaler(None, CPU), CPU, epoch=0,
+                                 log_every=2, global_step=7)
+
+    opt2, sched2 = sgd(by_hand)
+    by_hand.train()
+    losses = []
+    for x, y in batches:
+        loss = F.cross_entropy(by_hand(x), y)
+        opt2.zero_grad(set_to_none=True)
+        loss.backward()
+        opt2.step()
+        sched2.step()
+        losses.append((loss.item(), len(y)))
+    expected = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+    assert out["train_loss"] == pytest.approx(expected, rel=1e-6)
+    assert expected != pytest.approx(sum(loss for loss, _ in losses) / len(losses), rel=1e-6)  # weighting shows
+    assert len(steps) == len(batches) and sched.last_epoch == len(batches)
+    assert out["global_step"] == 7 + len(batches)
+    assert out["img_per_s"] > 0 and out["train_seconds"] > 0
+    for (name, a), b in zip(model.state_dict().items(), by_hand.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
 
 
-@pytest.mark.parametrize("amp, bf16_supported, expected", [
-    ("auto", True, torch.bfloat16),
-    ("auto", False, torch.float16),
-    ("bf16", True, torch.bfloat16),
-    ("fp16", True, torch.float16),
-    ("off", True, None),
-])
-def test_amp_on_cuda(monkeypatch, amp, bf16_supported, expected):
-    # Only the dtype choice is tested here, so no GPU is needed: pretend about bf16 support.
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
-    assert resolve_amp(amp, torch.device("cuda", 0)) is expected
+@pytest.mark.parametrize("log_every", [2, 100])
+def test_a_nan_loss_names_its_step(log_every):
+    """A NaN at global step 13 (the 4th batch of an epoch that starts at step 10) is reported as
+    step 13, whichever log window finds it; later steps are NaN too, the first one is named."""
+    model = tiny_model()
+    batches = make_batches([4] * 6)
+    batches[3][0][0, 0, 0, 0] = float("nan")
+    opt, sched = sgd(model)
+    with pytest.raises(UserError, match=r"loss is nan at epoch 2, step 13; stopping") as e:
+        engine.train_one_epoch(model, batches, opt, sched, build_scaler(None, CPU), CPU, epoch=1,
+                               log_every=log_every, global_step=10)
+    assert e.value.exit_code == RUNTIME_EXIT and e.value.every_rank
 
 
-@pytest.mark.parametrize("dtype, enabled", [(None, False), (torch.bfloat16, False), (torch.float16, True)])
-def test_loss_scaling_only_for_fp16(dtype, enabled):
-    # A scaler built for CUDA would warn without a GPU; the CPU one answers the same question.
-    scaler = build_scaler(dtype, torch.device("cpu"))
-    assert scaler.is_enabled() is enabled
+# --------------------------------------------------------------------------- fit
+
+def loaders(cfg, n_train=24, n_val=9):
+    """fit's loaders, as train.py builds them, over in-memory 3x2x2 images of 3 classes."""
+    g = torch.Generator().manual_seed(3)
+    train = torch.utils.data.TensorDataset(torch.randn(n_train, 3, 2, 2, generator=g),
+                                           torch.arange(n_train) % 3)
+    val = torch.utils.data.TensorDataset(torch.randn(n_val, 3, 2, 2, generator=g), torch.arange(n_val) % 3)
+    bs = cfg.train.batch_size
+    return (make_loader(train, bs, epoch_sampler(train, cfg.train.seed), cfg.data, CPU, train=True),
+            make_loader(val, bs, ShardSampler(val), cfg.data, CPU, train=False))
+
+
+def test_fit_logs_each_epoch_and_keeps_the_best(tmp_path, monkeypatch):
+    """metrics.jsonl gets one line per epoch and best_acc is the running max of val_acc; best.pt
+    is the best epoch's. The val_acc sequence is scripted (0.5, 0.8, 0.6) around the real evaluate,
+    so the best epoch is not the last one."""
+    out = tmp_path / "run"
+    cfg = load_config(["--device", "cpu", "--output-dir", str(out), "train.epochs=3", "train.batch_size=4",
+                       "train.log_every=2", "data.num_workers=0", "optim.lr=0.05"])
+    scripted = iter([0.5, 0.8, 0.6])
+    real_evaluate = engine.evaluate
+
+    def evaluate(*a, **k):
+        return {**real_evaluate(*a, **k), "val_acc": next(scripted)}
+
+    monkeypatch.setattr(engine, "evaluate", evaluate)
+    train_loader, val_loader = loaders(cfg)
+    result = engine.fit(cfg, tiny_model(), train_loader, val_loader, ["a", "b", "c"], DistInfo(device=CPU),
+                        script_name="test")
+
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in lines] == [1, 2, 3]
+    assert [m["step"] for m in lines] == [6, 12, 18]  # 24 images / batch 4, per epoch
+    assert [m["val_acc"] for m in lines] == [0.5, 0.8, 0.6]
+    assert [m["best_acc"] for m in lines] == [0.5, 0.8, 0.8]
+    assert result["best_acc"] == 0.8 == max(m["val_acc"] for m in lines)
+    assert result["run_dir"] == str(out) and result["last"]["epoch"] == 3
+    assert all(math.isfinite(m["train_loss"]) and m["val_count"] == 9 for m in lines)
+    best = torch.load(out / "checkpoints" / "best.pt", map_location="cpu", weights_only=False)
+    last = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    assert (best["epoch"], best["best_acc"]) == (2, 0.8) and (last["epoch"], last["best_acc"]) == (3, 0.8)
+    assert json.loads((out / "class_indices.json").read_text()) == {"0": "a", "1": "b", "2": "c"}
+
+
+# --------------------------------------------------------------------------- no host sync per step
+
+# Tensor methods that copy a value to the host (and wait for the device to get there).
+SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy")
+
+
+@pytest.fixture
+def sync_log(monkeypatch):
+    """Every host read of a tensor and every reduce_value in the engine, as (what, calling file)."""
+    log = []
+    for name in SYNC_METHODS:
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _real=real, _name=name, **k):
+            log.append((_name, Path(sys._getframe(1).f_code.co_filename).name))
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    real_reduce = engine.reduce_value
+
+    def counting_reduce(*a, **k):
+        log.append(("reduce_value", "engine.py"))
+        return real_reduce(*a, **k)
+
+    monkeypatch.setattr(engine, "reduce_value", counting_reduce)
+    return log
+
+
+class MarkingLoader:
+    """A list of batches that notes, each time the loop takes one, how long `log` is by then."""
+
+    def __init__(self, batches, log):
+        self.batches, self.log, self.marks = batches, log, []
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.marks.append(len(self.log))
+            yield batch
+
+
+@pytest.mark.parametrize("amp", ["fp32", "fp16"])
+def test_train_step_has_no_per_step_sync(sync_log, amp):
+    """12 steps with log_every=100: no host read and no all-reduce in steps 1..11; the last step
+    ends the log window (one all-reduce, read with .tolist()) and the epoch (one more, two .item()).
+
+    fp16 runs with the enabled CPU GradScaler that build_scaler makes for it (torch >= 2.4). Observed
+    with torch 2.14: GradScaler.step itself calls .item() on its found-inf flag once per step (in
+    torch/amp/grad_scaler.py, _maybe_opt_step), unless the optimizer is fused (e.g.
+    torch.optim.SGD(..., fused=True) steps with no read). The engine's own steps stay sync-free."""
+    dtype = torch.float16 if amp == "fp16" else None
+    scaler = build_scaler(dtype, CPU)
+    assert scaler.is_enabled() is (amp == "fp16")
+    model = tiny_model()
+    opt, sched = sgd(model)
+    steps = 12
+    loader = MarkingLoader(make_batches([4] * steps), sync_log)
+    engine.train_one_epoch(model, loader, opt, sched, scaler, CPU, 0, amp_dtype=dtype, log_every=100)
+
+    assert len(loader.marks) == steps
+    per_step = [sync_log[a:b] for a, b in zip(loader.marks, loader.marks[1:])]  # steps 1..11
+    tail = sync_log[loader.marks[-1]:]                                         # step 12 and the ends
+    ours = [[s for s in step if s[1] != "grad_scaler.py"] for step in per_step]
+    assert ours == [[]] * (steps - 1), f"host syncs per step: {ours}"
+    from_scaler = [s for step in per_step for s in step if s[1] == "grad_scaler.py"]
+    if amp == "fp32":
+        assert not from_scaler
+    else:  # at most GradScaler's one .item() per step (11 seen with torch 2.14 and plain SGD)
+        assert set(from_scaler) <= {("item", "grad_scaler.py")} and len(from_scaler) <= steps - 1
+    engine_tail = [s for s in tail if s[1] == "engine.py"]
+    assert engine_tail.count(("reduce_value", "engine.py")) == 2 and ("tolist", "engine.py") in engine_tail
+    assert len(engine_tail) <= 5, tail
+
+
+class SyncDebugLoader:
+    """Batches already on the GPU; torch's sync debug mode is "error" while steps 1..n-1 run, and
+    back to "default" for the last step (it ends the log window: one read by design) and the end."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            torch.cuda.set_sync_debug_mode("error" if i < len(self.batches) - 1 else "default")
+            yield batch
+
+
+def exempt_grad_scaler_step(scaler):
+    """GradScaler.step reads its found-inf flag on the host (see test_train_step_has_no_per_step_sync):
+    torch's sync, not the engine's. Let that one call sync, so the check is of the engine's own code."""
+    real = scaler._maybe_opt_step
+
+    def lenient(*a, **k):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    scaler._maybe_opt_step = lenient
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_train_steps_on_cuda_do_not_synchronize(amp):
+    """A resnet18 on CUDA under autocast (bf16; fp16 with its GradScaler): any synchronizing call
+    in steps 1..n-1 of train_one_epoch raises under torch.cuda.set_sync_debug_mode("error")."""
+    from model import create_model
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("no bf16 on this GPU")
+    torch.manual_seed(0)
+    model = create_model("resnet18", num_classes=3).to(device)
+    opt, sched = sgd(model)
+    scaler = build_scaler(dtype, device)
+    assert scaler.is_enabled() is (amp == "fp16")
+    if scaler.is_enabled():
+        exempt_grad_scaler_step(scaler)
+    batches = [(torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 3, (8,), device=device))
+               for _ in range(8)]
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        # One epoch to warm up (cuDNN/cuBLAS handles, optimizer state), then the checked one.
+        engine.train_one_epoch(model, batches, opt, sched, scaler, device, 0, amp_dtype=dtype, log_every=100)
+        out = engine.train_one_epoch(model, SyncDebugLoader(batches), opt, sched, scaler, device, 1,
+                                     amp_dtype=dtype, log_every=100, global_step=len(batches))
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert math.isfinite(out["train_loss"]) and out["global_step"] == 2 * len(batches)

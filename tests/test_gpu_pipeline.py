@@ -10,10 +10,17 @@ import torch.nn.functional as F
 from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms import functional as TF
 
-from conftest import FAST_ARGS, make_image_folder, run_entry  # noqa: F401 (run_entry: CUDA tests)
+from torchvision import transforms as T
+
+import data
+import train as train_script
+from conftest import FAST_ARGS, make_image_folder, run_entry
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from utils import gpu_pipeline
 from utils.config import load_config
-from utils.gpu_pipeline import crop_theta, sample_crops
+from utils.distributed_utils import resolve_device
+from utils.errors import UserError
+from utils.gpu_pipeline import check_cache_fits, crop_theta, resolve_pipeline, sample_crops
 
 # Image sizes like flower_photos (240-500 px) plus extreme strips that force the centre-crop fallback.
 SIZES = [(240, 500), (333, 500), (500, 375), (480, 480), (260, 300), (60, 500), (500, 40)]
@@ -138,9 +145,112 @@ def test_train_batches_reproducible_per_epoch_and_sharded(tmp_path):
 
 
 def test_pipeline_key_is_validated():
-    from utils.errors import UserError
     with pytest.raises(UserError, match="data.pipeline"):
         load_config(["data.pipeline=dali"])
+
+
+def test_an_empty_validation_split_trains(tmp_path):
+    """data.val_rate=0: the val cache is empty (torch.cat([]) used to fail in build_cache)."""
+    root = make_image_folder(tmp_path / "f", per_class=4)
+    args = [*FAST_ARGS, "--data-path", root, "--output-dir", tmp_path / "run", "data.pipeline=gpu",
+            "data.val_rate=0"]
+    r = run_entry("train.py", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "20 train / 0 val images" in r.stdout
+
+
+def _with_color_jitter(monkeypatch):
+    """data.py's train transform plus a ColorJitter, as a user would add it; counts its calls."""
+    real = data.build_transforms
+    calls = []
+
+    class CountingJitter(T.ColorJitter):
+        def forward(self, img):
+            calls.append(1)
+            return super().forward(img)
+
+    def build(*a, **k):
+        train, val = real(*a, **k)
+        train.transforms.insert(2, CountingJitter(brightness=0.4))
+        return train, val
+
+    monkeypatch.setattr(data, "build_transforms", build)
+    return calls
+
+
+@pytest.mark.parametrize("pipeline", ["pil", "gpu", "auto"])
+def test_an_added_augmentation_is_applied_or_refused_never_dropped(pipeline, tmp_path, monkeypatch, capsys):
+    root = make_image_folder(tmp_path / "f", per_class=4)
+    calls = _with_color_jitter(monkeypatch)
+    args = [*FAST_ARGS, "--data-path", str(root), "--output-dir", str(tmp_path / "run"),
+            f"data.pipeline={pipeline}"]
+    try:
+        train_script.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    if pipeline == "gpu":
+        assert code == 2 and not calls
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [
+            "error: data.pipeline=gpu reproduces RandomResizedCrop, RandomHorizontalFlip, ToTensor and "
+            "Normalize only, and the train transform (data.py) also has CountingJitter; use data.pipeline=pil "
+            "(or auto), or implement it in utils/gpu_pipeline.py"]
+        assert not (tmp_path / "run").exists()  # refused before any work
+    else:  # pil, and auto (pil on a CPU): every training image went through the jitter
+        assert code == 0 and len(calls) == 3 * 4, err[-2000:]  # 16 train images: 3 full batches of 4
+
+
+def test_auto_takes_the_device_path_only_where_it_reproduces_the_transform(monkeypatch):
+    cuda0 = torch.device("cuda", 0)  # resolve_pipeline only reads .type: no GPU needed
+    plain = data.build_transforms(32, 36)[0]
+    assert resolve_pipeline("auto", cuda0, plain) == "gpu"
+    assert resolve_pipeline("auto", torch.device("cpu"), plain) == "pil"
+    _with_color_jitter(monkeypatch)
+    assert resolve_pipeline("auto", cuda0, data.build_transforms(32, 36)[0]) == "pil"
+
+
+def test_device_path_takes_its_parameters_from_the_transform(tmp_path):
+    """Crop size, scale and ratio, flip probability, mean and std come from data.py's transform."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    train, _ = _loaders(_cfg(root, "data.pipeline=gpu", "data.min_crop_scale=0.5"))
+    crop, flip, _, norm = train.dataset.transform.transforms
+    assert (train.out_size, train.scale, train.ratio, train.flip_p) == (tuple(crop.size), crop.scale,
+                                                                        crop.ratio, flip.p)
+    assert train.scale == (0.5, 1.0)
+    assert train.mean.flatten().tolist() == pytest.approx(list(norm.mean))
+    assert train.std.flatten().tolist() == pytest.approx(list(norm.std))
+
+
+@pytest.mark.parametrize("need_gib, available_gib, sharing, refused", [
+    (1.0, 4.0, 1, False),   # a quarter of what there is
+    (2.0, 4.0, 1, False),   # exactly half
+    (2.1, 4.0, 1, True),
+    (1.0, 16.0, 8, False),  # 8 processes on the node: 1 GiB each of 16 is half of a 2 GiB share
+    (1.1, 16.0, 8, True),
+])
+def test_a_cache_over_half_of_its_memory_share_is_refused(need_gib, available_gib, sharing, refused):
+    """The rule for DDP: each rank caches the whole set; refuse before decoding what cannot fit."""
+    call = lambda: check_cache_fits(need_gib * 2**30, available_gib * 2**30, sharing, "pinned host memory")  # noqa: E731
+    if refused:
+        with pytest.raises(UserError, match=rf"would cache {need_gib:.2f} GiB in pinned host memory, over half "
+                                            rf"of the {available_gib:.2f} GiB available"):
+            call()
+    else:
+        call()
+
+
+def test_the_loader_checks_the_budget_before_decoding(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    cfg = _cfg(root, "data.pipeline=gpu", "data.cache_size=64")
+    train_set, _, _ = build_datasets(cfg.data)
+    # 20 train images x 3 x 64 x 64 bytes = 245,760; 2 processes on the node with 900 kB: over half of 450 kB.
+    monkeypatch.setattr(gpu_pipeline, "host_available_bytes", lambda: 900_000)
+    monkeypatch.setattr(gpu_pipeline, "build_cache", lambda *a, **k: pytest.fail("decoded before the check"))
+    with pytest.raises(UserError, match=r"would cache 0.2 MiB in host memory, over half of the 0.9 MiB "
+                                        r"available / 2 processes on this node"):
+        make_loader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, torch.device("cpu"), True,
+                    procs_per_node=2)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -151,10 +261,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_pipeline_matches_cpu_and_never_syncs(tmp_path):
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     cfg = _cfg(root, "data.pipeline=gpu", device="cuda")
-    dev = torch.device("cuda")
+    dev = resolve_device("cuda")
     train_gpu, val_gpu = _loaders(cfg, dev)
     train_cpu, val_cpu = _loaders(cfg)
-    assert train_gpu.images.is_cuda  # data.cache_on_device: the cache lives in GPU memory
+    # data.cache_on_device: the cache lives in GPU memory and batches are gathered there. (A device
+    # comparison, cuda:0 != cuda, once sent this cache down the host branch, which failed.)
+    assert train_gpu.images.is_cuda and train_gpu.on_device
     for loader in (train_gpu, train_cpu):
         loader.sampler.set_epoch(0)
         loader.generator.manual_seed(3)

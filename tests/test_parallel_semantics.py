@@ -233,6 +233,35 @@ def test_dp_refuses_batch_smaller_than_gpu_count(monkeypatch, capsys, image_root
     assert len(err) == 1 and err[0].startswith("error: --batch-size 2 is smaller than the 4 GPUs"), err
 
 
+def test_dp_with_device_cpu_on_a_machine_with_gpus_trains_on_the_cpu(monkeypatch, capsys, image_root, tmp_path):
+    """Two GPUs are faked (only is_available and device_count; this machine has none). With --device cpu
+    the script must not wrap the model: DataParallel(device_ids=None) takes every visible GPU and moves
+    the replicas there, while the batches stay on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    try:
+        load_main("train_multi_gpu_dp.py")(FAST_ARGS + ["--data-path", str(image_root),
+                                                        "--output-dir", str(tmp_path / "run")])
+    except SystemExit as e:
+        pytest.fail(f"exit {e.code}: {capsys.readouterr().err[-2000:]}")
+    out = capsys.readouterr().out
+    assert "no GPU: one cpu process without DataParallel" in out and "on cpu" in out
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_script_without_torchrun_trains_as_one_process(image_root, tmp_path):
+    """`python train_multi_gpu_ddp.py` (no launcher) once ended in DDP's 'process group has not been
+    initialized' traceback; it now forms a group of one and says how to launch more."""
+    from conftest import run_entry
+    r = run_entry("train_multi_gpu_ddp.py", *FAST_ARGS, "--data-path", image_root, "--output-dir", tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert ("note: no torchrun or srun environment: training as one process on cpu; for N GPUs launch with: "
+            "torchrun --nproc_per_node=N train_multi_gpu_ddp.py ...") in r.stdout
+    assert "1 process(es) on cpu" in r.stdout and (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
 # Loaded into every worker through PYTHONPATH: logs each file the process opens for writing,
 # creates, renames or removes, and prints the list with its rank when it exits.
 AUDIT_HOOK = r'''

@@ -114,9 +114,13 @@ def check_cache_fits(need_bytes, available_bytes, sharing, where):
     budget = available_bytes / max(sharing, 1) / 2
     if need_bytes > budget:
         share = f" / {sharing} processes on this node" if sharing > 1 else ""
-        raise UserError(f"data.pipeline=gpu would cache {need_bytes / 2**30:.2f} GiB in {where}, over half of "
-                        f"the {available_bytes / 2**30:.2f} GiB available{share}; use data.pipeline=pil, "
+        raise UserError(f"data.pipeline=gpu would cache {_size(need_bytes)} in {where}, over half of "
+                        f"the {_size(available_bytes)} available{share}; use data.pipeline=pil, "
                         "or a smaller data.cache_size")
+
+
+def _size(n_bytes):
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
 def resolve_cache_size(data_cfg):

@@ -1,0 +1,182 @@
+"""utils/optim.py: the optimizer, the warm-up + cosine schedule, the linear lr scaling with
+world size, the autocast dtype choice, loss scaling, and the DataParallel autocast wrapper.
+
+    python -m pytest tests/test_optim.py -q
+"""
+import inspect
+import threading
+import warnings
+
+import pytest
+import torch
+
+from utils.config import load_config
+from utils.optim import AutocastForward, build_optimizer, build_scaler, build_scheduler, resolve_amp
+
+
+def optim_cfg(**kw):
+    """configs/default.yaml's optim section with `kw` as overrides (the schema holds no values)."""
+    return load_config([f"optim.{k}={v}" for k, v in kw.items()]).optim
+
+
+def lrs_per_step(cfg, epochs, steps_per_epoch, world_size=1):
+    """The lr each optimizer step runs with, plus the lr left after the last step."""
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, cfg, world_size)
+    sched = build_scheduler(opt, cfg, epochs, steps_per_epoch)
+    lrs = []
+    for _ in range(epochs * steps_per_epoch):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs, opt.param_groups[0]["lr"]
+
+
+def test_cosine_runs_from_lr_to_lr_times_lrf():
+    lrs, final = lrs_per_step(optim_cfg(lr=0.1, lrf=0.01), epochs=4, steps_per_epoch=5)
+    assert lrs[0] == pytest.approx(0.1)
+    assert final == pytest.approx(0.1 * 0.01)
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))          # never goes up
+    assert lrs[10] == pytest.approx(0.1 * (1 + 0.01) / 2)     # half way: the cosine's midpoint
+    assert min(lrs) > 0.1 * 0.01                              # lr * lrf is the floor, reached at the end
+
+
+@pytest.mark.parametrize("warmup_epochs, warmup_steps", [(1.0, 10), (0.5, 5)])
+def test_linear_warmup_then_cosine(warmup_epochs, warmup_steps):
+    lrs, final = lrs_per_step(optim_cfg(lr=0.2, lrf=0.05, warmup_epochs=warmup_epochs),
+                              epochs=3, steps_per_epoch=10)
+    warm = lrs[:warmup_steps]
+    assert warm[0] == pytest.approx(0.2 / warmup_steps)
+    assert warm[-1] == pytest.approx(0.2)
+    steps = [b - a for a, b in zip(warm, warm[1:])]
+    assert all(s == pytest.approx(0.2 / warmup_steps) for s in steps)   # linear
+    cosine = lrs[warmup_steps:]
+    assert cosine[0] == pytest.approx(0.2)
+    assert all(a >= b for a, b in zip(cosine, cosine[1:]))
+    assert final == pytest.approx(0.2 * 0.05)
+
+
+@pytest.mark.parametrize("world_size, scale_lr, expected", [
+    (1, True, 0.01), (2, True, 0.02), (8, True, 0.08), (8, False, 0.01),
+])
+def test_lr_scales_linearly_with_world_size(world_size, scale_lr, expected):
+    lrs, _ = lrs_per_step(optim_cfg(lr=0.01, scale_lr=scale_lr), epochs=1, steps_per_epoch=2,
+                          world_size=world_size)
+    assert lrs[0] == pytest.approx(expected)
+
+
+def test_optimizer_holds_only_trainable_tensors():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    opt = build_optimizer(model, optim_cfg())
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert held == {id(p) for p in model[1].parameters()}
+
+
+# --------------------------------------------------------------------------- autocast
+
+@pytest.mark.parametrize("amp", ["auto", "off", "bf16", "fp16"])
+def test_amp_is_off_on_cpu(amp):
+    assert resolve_amp(amp, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("amp, bf16_supported, expected", [
+    ("auto", True, torch.bfloat16),
+    ("auto", False, torch.float16),
+    ("bf16", True, torch.bfloat16),
+    ("fp16", True, torch.float16),
+    ("off", True, None),
+])
+def test_amp_on_cuda(monkeypatch, amp, bf16_supported, expected):
+    # Only the dtype choice is tested here, so no GPU is needed: pretend about bf16 support.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
+    assert resolve_amp(amp, torch.device("cuda", 0)) is expected
+
+
+@pytest.mark.parametrize("dtype, enabled", [(None, False), (torch.bfloat16, False), (torch.float16, True)])
+def test_loss_scaling_only_for_fp16(dtype, enabled):
+    # A scaler built for CUDA would warn without a GPU; the CPU one answers the same question.
+    scaler = build_scaler(dtype, torch.device("cpu"))
+    assert scaler.is_enabled() is enabled
+
+
+def test_auto_picks_fp16_where_bf16_is_only_emulated(monkeypatch):
+    """torch >= 2.3: is_bf16_supported() counts emulation by default (True on V100/T4, where bf16
+    is slow); resolve_amp must ask for native support and choose fp16 with loss scaling there."""
+    def emulating_gpu(including_emulation=True):  # the real signature; no GPU needed
+        return including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulating_gpu)
+    assert resolve_amp("auto", torch.device("cuda", 0)) is torch.float16
+    assert resolve_amp("bf16", torch.device("cuda", 0)) is torch.bfloat16  # asked for explicitly: kept
+
+
+def in_new_thread(fn):
+    """fn() in a fresh thread (as DataParallel runs each replica); its result or its exception."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_autocast_dtype_is_per_thread():
+    """Why AutocastForward exists: a thread does not inherit the autocast dtype of the thread that
+    started it. Under autocast(float16) in the main thread, a new thread's autocast without a dtype
+    computes in the device's default (bfloat16 on CPU, float16 on CUDA), not what was asked for."""
+    x = torch.randn(2, 8)
+
+    def thread_default():
+        # A Linear of its own, as each DataParallel replica has: autocast's weight cast cache is
+        # shared by all threads, and the main thread's float16 copy of a shared weight would be used.
+        with torch.autocast("cpu", enabled=True):
+            return torch.nn.Linear(8, 4)(x).dtype
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.nn.Linear(8, 4)(x).dtype is torch.float16  # the main thread: as asked
+        assert in_new_thread(thread_default) is torch.bfloat16  # the thread: CPU's default, not float16
+
+
+def test_autocast_forward_sets_the_dtype_in_the_replica_thread():
+    """AutocastForward(module, float16) called in a new thread computes in float16.
+
+    As written it enters torch.autocast("cuda", ...), which does nothing to a CPU module (and
+    without CUDA is disabled with a warning): on CPU the replica computes in float32, so this
+    test can only record that and xfail. Given a device_type argument (say
+    AutocastForward(module, dtype, device_type="cpu"), default "cuda") it runs the real check
+    here; test_autocast_forward_in_a_thread_on_cuda runs it on a GPU."""
+    x = torch.randn(2, 8)
+    cpu_arg = "device_type" in inspect.signature(AutocastForward).parameters
+    kwargs = {"device_type": "cpu"} if cpu_arg else {}
+
+    def replica():
+        return AutocastForward(torch.nn.Linear(8, 4), torch.float16, **kwargs)(x).dtype
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="User provided device_type of 'cuda'")
+        warnings.filterwarnings("ignore", message="CUDA is not available")
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the main thread's choice, to be overridden
+            got = in_new_thread(replica)
+    if not cpu_arg:
+        assert got is torch.float32
+        pytest.xfail("AutocastForward hard-codes torch.autocast('cuda'): a CPU replica computes in float32")
+    assert got is torch.float16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_forward_in_a_thread_on_cuda(dtype):
+    x = torch.randn(2, 8, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16 if dtype is torch.bfloat16 else torch.bfloat16):
+        got = in_new_thread(lambda: AutocastForward(torch.nn.Linear(8, 4).cuda(), dtype)(x).dtype)
+    assert got is dtype
