@@ -62,3 +62,32 @@ def test_a_resumed_run_continues_on_the_device(data, tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and f"on {DEVICE}" in again.stdout, again.stdout[-2000:]
     assert [m["epoch"] for m in _metrics(out)] == [1, 2, 3]
+
+
+def test_dp_with_device_cpu_on_a_gpu_machine_trains_on_the_cpu(data, tmp_path):
+    """With GPUs present, --device cpu must not hand the model to DataParallel (it would take every GPU)."""
+    out = tmp_path / "run"
+    r = run_entry("train_multi_gpu_dp.py", *FAST_ARGS, "--data-path", data, "--output-dir", out, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "no GPU: one cpu process without DataParallel" in r.stdout and "on cpu" in r.stdout
+    assert len(_metrics(out)) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dataparallel_replicas_compute_in_the_chosen_autocast_dtype():
+    """DataParallel runs each replica in a thread of its own, where autocast's dtype falls back to fp16.
+    Two replicas on GPU 0 show it with one GPU: bare, the outputs are fp16; wrapped, bf16."""
+    from torch.nn.parallel import parallel_apply
+
+    from utils.optim import AutocastForward
+    layer = torch.nn.Linear(8, 4).cuda()
+    x = torch.randn(2, 8, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # in this thread the dtype holds
+        bare = parallel_apply([layer, layer], [(x,), (x,)], devices=[0, 0])
+        wrapped_layer = AutocastForward(layer, torch.bfloat16)
+        wrapped = parallel_apply([wrapped_layer, wrapped_layer], [(x,), (x,)], devices=[0, 0])
+    assert {t.dtype for t in wrapped} == {torch.bfloat16}
+    # torch's own behaviour, the reason for the wrapper (if a later torch passes the dtype on, this
+    # line fails and the wrapper can go).
+    assert {t.dtype for t in bare} == {torch.float16}
