@@ -49,29 +49,31 @@ def sgd(model):
 # --------------------------------------------------------------------------- evaluate
 
 def test_evaluate_equals_a_hand_computation():
-    """Loss, accuracy and per-class accuracy over all batches (the last one short), in eval mode.
-    Class 3 has no validation image: its accuracy is reported as 0, not NaN."""
-    model = tiny_model(num_classes=4)
-    model.train()
-    for x, _ in make_batches([16, 16], num_classes=4, seed=5):  # running statistics worth using
-        model(x)
-    batches = make_batches([4, 4, 3], num_classes=3)            # labels 0..2 only
+    """Loss, accuracy and per-class accuracy (recall: right / images of that class) over all
+    batches, the last one short, in eval mode. The model reads its logits off the first four
+    inputs, so the predictions are set by hand; class 3 has no image: its accuracy is 0, not NaN."""
+    labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 0, 1])
+    preds = torch.tensor([0, 1, 0, 1, 2, 2, 2, 0, 0, 0, 1])  # 5 predicted 0, 4 of class 0: recall != precision
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 12, generator=g) * 0.5
+    x[:, :4] += 4 * F.one_hot(preds, 4)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 4, bias=False), torch.nn.BatchNorm1d(4))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4, 12))
+        model[1].running_mean.fill_(0.25)
+        model[1].running_var.fill_(4.0)
+    batches = [(x[i:i + 4], labels[i:i + 4]) for i in (0, 4, 8)]
     got = engine.evaluate(model, batches, CPU, num_classes=4)
 
-    assert not model.training
+    assert not model.training  # train mode would normalise by the batch's own statistics
     with torch.no_grad():
-        logits = torch.cat([model(x) for x, _ in batches]).double()
-    labels = torch.cat([y for _, y in batches])
-    pred = logits.argmax(1)
-    n = len(labels)
-    loss = (logits.logsumexp(1) - logits[torch.arange(n), labels]).sum().item() / n
-    per_class = [((pred == c) & (labels == c)).sum().item() / max((labels == c).sum().item(), 1)
-                 for c in range(4)]
-    assert got["val_count"] == n == 11
+        logits = model(x).double()
+    assert torch.equal(logits.argmax(1), preds)
+    loss = (logits.logsumexp(1) - logits[torch.arange(11), labels]).mean().item()
+    assert got["val_count"] == 11
     assert got["val_loss"] == pytest.approx(loss, rel=1e-6)
-    assert got["val_acc"] == pytest.approx((pred == labels).double().mean().item())
-    assert got["val_per_class_acc"] == pytest.approx(per_class)
-    assert 0 < got["val_acc"] < 1 and per_class[3] == 0.0  # neither all right nor all wrong
+    assert got["val_acc"] == pytest.approx(7 / 11)
+    assert got["val_per_class_acc"] == pytest.approx([3 / 4, 2 / 3, 2 / 4, 0.0])
 
 
 # --------------------------------------------------------------------------- train_one_epoch
