@@ -210,7 +210,15 @@ def test_every_rank_gets_the_reduced_metrics(launch):
 
 @pytest.mark.slow
 def test_dp_equals_single(image_root, tmp_path):
-    """train_multi_gpu_dp.py with global batch B computes what train.py with batch B computes."""
+    """train_multi_gpu_dp.py with global batch B computes what train.py with batch B computes.
+
+    On CPU (as here) the DP script trains without the DataParallel wrapper (it would grab the
+    GPUs), so this compares train.py's code path with itself: it proves the DP script's own
+    setup (device choice, loaders, sampler, unprefixed checkpoint keys) matches train.py,
+    not that DataParallel computes the same. It is no proof for several GPUs: that needs a
+    machine with them (tests/test_cuda_scripts.py runs the DP script on a GPU and checks the
+    replicas' autocast dtype, but compares nothing with train.py).
+    """
     common = FAST_ARGS + ["--data-path", image_root, "train.batch_size=8"]  # after FAST_ARGS' batch: wins
     single = load_main("train.py")([str(a) for a in common + ["--output-dir", tmp_path / "single"]])
     dp = load_main("train_multi_gpu_dp.py")([str(a) for a in common + ["--output-dir", tmp_path / "dp"]])
