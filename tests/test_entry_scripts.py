@@ -224,3 +224,37 @@ def test_ddp_syncbn_on_cpu_warns_once_and_continues(runs):
     assert len(lines) == 1, lines
     assert "warning" in lines[0].lower()
     assert len(read_metrics(ddp)) == 1  # and it trained
+
+
+# --------------------------------------------------------------------------- non-ASCII class names
+
+def test_chinese_class_names_train_resume_and_stay_readable(tmp_path):
+    """Class folders named 玫瑰, 郁金香, 雏菊 (and files named after them): train.py trains, logs to
+    TensorBoard, checkpoints the names, resumes with --resume auto, and class_indices.json holds the
+    characters themselves (UTF-8), not \\uXXXX escapes a person cannot read."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    names = ("玫瑰", "郁金香", "雏菊")
+    data = make_image_folder(tmp_path / "花", classes=names)
+    out = tmp_path / "运行"
+    args = [*FAST_ARGS, "--data-path", data, "--output-dir", out]
+    first = run_entry("train.py", *args)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+
+    classes = sorted(names)  # the class index order: sorted folder names
+    raw = (out / "class_indices.json").read_bytes().decode("utf-8")
+    assert all(name in raw for name in names) and "\\u" not in raw, raw
+    assert json.loads(raw) == {str(i): c for i, c in enumerate(classes)}
+    assert list(out.glob("events.out.tfevents.*")), sorted(p.name for p in out.iterdir())
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    assert [p.step for p in acc.Scalars("val/acc")] == [1]
+    state = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert state["classes"] == classes and state["epoch"] == 1
+
+    second = run_entry("train.py", *args, "--resume", "auto", "train.epochs=2")
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "resumed from" in second.stdout + second.stderr
+    state = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert state["classes"] == classes and state["epoch"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]

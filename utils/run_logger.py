@@ -45,7 +45,9 @@ class RunLogger:
 
     def write_json(self, name, obj):
         if self.enabled:
-            (self.run_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
+            # Class names as written (e.g. 玫瑰), not \uXXXX escapes; UTF-8 whatever the locale.
+            (self.run_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n",
+                                             encoding="utf-8")
 
     def write_config(self, cfg):
         if self.enabled:
