@@ -261,16 +261,17 @@ def test_rank_guard_check_catches_the_classic_mistakes(collectives):
         "if rank == 0:\n"
         "    saver.save(epoch + 1, global_step, best_acc)\n"             # 5: Checkpointer.save
         "if is_main_process():\n"
-        "    total = reduce_value(total)\n"                               # 7
-        "    ds.sync_bad_images()\n"                                       # 8
+        "    saver.save(epoch, step, best, is_best=True)\n"                # 7
+        "    total = reduce_value(total)\n"                               # 8
+        "    ds.sync_bad_images()\n"                                       # 9
         "if main:\n"
-        "    saver.save(epoch, step, best)\n"                              # 10
-        "x = y if rank == 0 else barrier()\n"                              # 11
-        "main and dist.all_reduce(t)\n"                                    # 12
+        "    saver.save(epoch, step, best)\n"                              # 11: fit's `main = rank == 0`
+        "x = y if rank == 0 else barrier()\n"                              # 12
+        "main and dist.all_reduce(t)\n"                                    # 13
         "def f(dist_info):\n"
         "    if dist_info.rank != 0:\n"
         "        return\n"
-        "    val = evaluate(model, loader, device, 5)\n"                   # 16
+        "    val = evaluate(model, loader, device, 5)\n"                   # 17
         "if main:\n"
         "    torch.save(state, path)\n"                                    # not a collective
         "    print(saver)\n"
@@ -278,8 +279,8 @@ def test_rank_guard_check_catches_the_classic_mistakes(collectives):
         "    fit(cfg)\n"                                                   # every rank runs this
     )
     assert collectives_under_rank_guard(broken, collectives) == [
-        (5, "save"), (7, "reduce_value"), (8, "sync_bad_images"), (10, "save"), (11, "barrier"),
-        (12, "all_reduce"), (16, "evaluate")]
+        (5, "save"), (7, "save"), (8, "reduce_value"), (9, "sync_bad_images"), (11, "save"), (12, "barrier"),
+        (13, "all_reduce"), (17, "evaluate")]
 
 
 # =========================================================================== 2. devices
