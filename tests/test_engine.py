@@ -23,7 +23,7 @@ from utils import engine
 from utils.config import load_config
 from utils.distributed_utils import DistInfo
 from utils.errors import RUNTIME_EXIT, UserError
-from utils.optim import build_scaler
+from utils.optim import build_optimizer, build_scaler
 
 CPU = torch.device("cpu")
 
@@ -263,8 +263,8 @@ class SyncDebugLoader:
 
 
 def exempt_grad_scaler_step(scaler):
-    """GradScaler.step reads its found-inf flag on the host (see test_train_step_has_no_per_step_sync):
-    torch's sync, not the engine's. Let that one call sync, so the check is of the engine's own code."""
+    """With a plain SGD, GradScaler.step reads its found-inf flag on the host (see
+    test_train_step_has_no_per_step_sync): torch's sync, not the engine's. Let that one call sync."""
     real = scaler._maybe_opt_step
 
     def lenient(*a, **k):
@@ -291,11 +291,13 @@ def test_train_steps_on_cuda_do_not_synchronize(amp):
         pytest.skip("no bf16 on this GPU")
     torch.manual_seed(0)
     model = create_model("resnet18", num_classes=3).to(device)
-    opt, sched = sgd(model)
+    # What fit builds: with fp16, a fused SGD, whose kernel reads GradScaler's inf/NaN flag on the device.
+    opt = build_optimizer(model, load_config([]).optim, fused=dtype is torch.float16)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
     scaler = build_scaler(dtype, device)
     assert scaler.is_enabled() is (amp == "fp16")
-    if scaler.is_enabled():
-        exempt_grad_scaler_step(scaler)
+    if scaler.is_enabled() and not opt.param_groups[0].get("fused"):
+        exempt_grad_scaler_step(scaler)  # a torch without fused SGD: its per-step host read is torch's
     batches = [(torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 3, (8,), device=device))
                for _ in range(8)]
     previous = torch.cuda.get_sync_debug_mode()

@@ -5,7 +5,6 @@ world size, the autocast dtype choice, loss scaling, and the DataParallel autoca
 """
 import inspect
 import threading
-import warnings
 
 import pytest
 import torch
@@ -147,29 +146,25 @@ def test_autocast_dtype_is_per_thread():
 
 
 def test_autocast_forward_sets_the_dtype_in_the_replica_thread():
-    """AutocastForward(module, float16) called in a new thread computes in float16.
-
-    As written it enters torch.autocast("cuda", ...), which does nothing to a CPU module (and
-    without CUDA is disabled with a warning): on CPU the replica computes in float32, so this
-    test can only record that and xfail. Given a device_type argument (say
-    AutocastForward(module, dtype, device_type="cpu"), default "cuda") it runs the real check
-    here; test_autocast_forward_in_a_thread_on_cuda runs it on a GPU."""
+    """AutocastForward(module, float16, "cpu") called in a new thread computes in float16, although
+    the thread's own autocast default is bfloat16 (what DataParallel's replica threads would use;
+    on CUDA the default is float16 and the chosen dtype bfloat16)."""
     x = torch.randn(2, 8)
-    cpu_arg = "device_type" in inspect.signature(AutocastForward).parameters
-    kwargs = {"device_type": "cpu"} if cpu_arg else {}
 
     def replica():
-        return AutocastForward(torch.nn.Linear(8, 4), torch.float16, **kwargs)(x).dtype
+        return AutocastForward(torch.nn.Linear(8, 4), torch.float16, device_type="cpu")(x).dtype
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="User provided device_type of 'cuda'")
-        warnings.filterwarnings("ignore", message="CUDA is not available")
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # the main thread's choice, to be overridden
-            got = in_new_thread(replica)
-    if not cpu_arg:
-        assert got is torch.float32
-        pytest.xfail("AutocastForward hard-codes torch.autocast('cuda'): a CPU replica computes in float32")
-    assert got is torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the main thread's choice, to be overridden
+        assert in_new_thread(replica) is torch.float16
+
+
+def test_fp16_steps_use_fused_sgd_where_torch_has_it():
+    """GradScaler.step copies its inf/NaN flag to the host every step unless the optimizer is fused."""
+    model = torch.nn.Linear(4, 2)
+    fused = build_optimizer(model, optim_cfg(), fused=True)
+    has_fused = "fused" in inspect.signature(torch.optim.SGD).parameters
+    assert fused.param_groups[0].get("fused", False) is has_fused
+    assert not build_optimizer(model, optim_cfg()).param_groups[0].get("fused")
 
 
 @pytest.mark.gpu

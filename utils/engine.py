@@ -238,7 +238,7 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     channels_last = cfg.model.channels_last and device.type == "cuda"
     # Steps run through `step_model`; checkpoints keep saving `model`'s plain (uncompiled) weights.
     step_model = compile_model(model) if cfg.train.compile else model
-    optimizer = build_optimizer(bare, cfg.optim, world)
+    optimizer = build_optimizer(bare, cfg.optim, world, fused=amp_dtype == torch.float16)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, len(train_loader))
     scaler = build_scaler(amp_dtype, device)
     layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, len(train_loader),

@@ -5,16 +5,19 @@ import math
 import torch
 
 
-def build_optimizer(model, optim_cfg, world_size=1):
+def build_optimizer(model, optim_cfg, world_size=1, fused=False):
     """SGD over the trainable tensors; lr scaled by world size under the linear scaling rule.
 
     In DDP each process sees `batch_size` images, so the global batch is
     batch_size * world_size; keeping lr per image constant means lr * world_size.
+    `fused` (fp16 on CUDA): GradScaler then reads the inf/NaN check inside the
+    fused kernel; with a plain SGD it copies that flag to the host every step.
     """
     lr = optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
     params = [p for p in model.parameters() if p.requires_grad]
+    extra = {"fused": True} if fused and "fused" in inspect.signature(torch.optim.SGD).parameters else {}
     return torch.optim.SGD(params, lr=lr, momentum=optim_cfg.momentum,
-                           weight_decay=optim_cfg.weight_decay)
+                           weight_decay=optim_cfg.weight_decay, **extra)
 
 
 def lr_factor(step, total_steps, warmup_steps, lrf):
@@ -67,12 +70,12 @@ class AutocastForward(torch.nn.Module):
     while bf16 was chosen and the GradScaler is off.
     """
 
-    def __init__(self, module, dtype):
+    def __init__(self, module, dtype, device_type="cuda"):
         super().__init__()
-        self.module, self.dtype = module, dtype
+        self.module, self.dtype, self.device_type = module, dtype, device_type
 
     def forward(self, *args, **kwargs):
-        with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype is not None):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
             return self.module(*args, **kwargs)
 
 
