@@ -98,7 +98,7 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"data path '{root}' does not exist or is not a folder; "
-                        "set --data-path (or data.demo=true to generate the demo set there)")
+                        "set --data-path (the offline demo set: python demo/flowers.py data/demo_flowers)")
     top = _class_dirs(root)
     # Hidden files beside the class folders (.DS_Store, the demo set's .complete marker) are no one's
     # mistake; files inside class folders are counted below, hidden or not.
@@ -284,9 +284,6 @@ def verify_images(paths, max_pixels):
 
 def build_datasets(data_cfg):
     """The config's data section -> (train dataset, val dataset, class names)."""
-    if data_cfg.demo:
-        from utils.demo_dataset import ensure_demo_dataset
-        ensure_demo_dataset(data_cfg.path, images_per_class=data_cfg.demo_images_per_class)
     split = split_dataset(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
     known_bad = 0
     if data_cfg.verify:

@@ -146,7 +146,7 @@ def derive_collectives(files):
     other product functions (fixpoint). Nested defs count towards the function that holds them.
 
     Methods go by their name alone, so PIL's img.save() counts like Checkpointer's saver.save()
-    (utils/demo_dataset.py's writers are derived for that reason). It errs one way only: a call
+    (a writer that saves a PIL image would be derived so). It errs one way only: a call
     flagged under a rank guard that is no collective is renamed or moved, never let through."""
     bodies = []
     for f in files:

@@ -42,8 +42,6 @@ class DataConfig:
     pipeline: str = MISSING
     cache_size: int = MISSING
     cache_on_device: bool = MISSING
-    demo: bool = MISSING
-    demo_images_per_class: int = MISSING
     bad_image: str = MISSING
     verify: bool = MISSING
     max_image_pixels: int = MISSING
