@@ -18,7 +18,13 @@ precision and memory format throughout:
       (catches per-step host syncs and logging all-reduces).
 Timings are medians over interleaved repeats after warm-up; on CUDA every
 timed region ends in a host sync (the loop's own .item()). Results go to
-OUT/benchmark.json and OUT/benchmark.md; the table is printed last.
+OUT/benchmark.json and OUT/benchmark.md, rewritten (atomically) before and
+after every part, so a run stopped at any point leaves a valid table of what
+it finished, and says which part was running and which had not started.
+A part that fails is reported and the others still run (exit status 1).
+The table is printed last. (b)'s folder is generated on first use, into
+data/bench_flowers (git-ignored, kept; 50-57 s on one core of a 2-core VM);
+--prepare-data makes only the folder.
 """
 import argparse
 import json
@@ -30,6 +36,7 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -63,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="image folder for (b); default: generate the flower-sized set")
     p.add_argument("--skip", default="", help="comma list of parts to skip: ceiling,e2e,ddp,bare")
     p.add_argument("--out-dir", default="runs/benchmark")
+    p.add_argument("--prepare-data", action="store_true",
+                   help="only make (b)'s image folder and print its path: generate it ahead of a timed run")
     args = p.parse_args(argv)
     q = args.quick
     defaults = dict(model="resnet18" if q else "resnet34", batch_size=8 if q else 128, img_size=32 if q else 224,
@@ -325,13 +334,34 @@ def table(res):
     return "\n".join(lines)
 
 
+def write_atomic(path, data):
+    """Write `data` (str or bytes) through a temporary sibling and a rename: whoever reads the file,
+    and whatever stops this process, sees the previous version or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def progress_lines(status):
+    """What is not (yet) in the table: a run stopped by a time limit leaves these as its last word."""
+    lines = [f"- failed: {k}: {v}" for k, v in status.get("failed", {}).items()]
+    if status.get("running"):
+        lines.append(f"- started, no result yet: {status['running']} (at +{status['running_since_s']:.0f} s; "
+                     "if the run has ended, it was stopped during this)")
+    if status.get("not_started"):
+        lines.append(f"- not started: {', '.join(status['not_started'])}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    from utils.distributed_utils import resolve_device
+    if args.prepare_data:
+        print(flower_folder(args, Path(args.out_dir)), flush=True)
+        return None
+    from utils.distributed_utils import resolve_device, use_device
     device = resolve_device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True  # as the entry scripts do
+    use_device(device)  # as the entry scripts do: current CUDA device, cudnn.benchmark
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     amp_dtype = resolve_amp(args.amp, device)
@@ -342,44 +372,77 @@ def main(argv=None):
         "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "off", "channels_last": channels_last,
         "steps": args.steps, "repeats": args.repeats, "epochs": args.epochs,
         "memory": "peak MiB allocated (CUDA)" if device.type == "cuda" else "peak host RSS MiB (process so far)"}}
-    def save():  # after every part, so a run stopped by a time limit still leaves what it measured
+    start = time.perf_counter()
+
+    def save():  # before and after every part: a run stopped at any time leaves a valid partial table
         md = table(res)
         meta = res["meta"]
         header = (f"{meta['date']} on {meta.get('gpu', meta.get('cpu'))} ({meta['cpu_count']} CPU cores, load "
                   f"{meta['load_avg_at_start'][0]:.1f}), torch {meta['torch']}, torchvision {meta['torchvision']}; "
                   f"{args.model}, batch {args.batch_size}, {args.img_size} px, amp {res['settings']['amp']}, "
                   f"channels_last {channels_last}\n`{meta['command']}`\n\n")
-        (out_dir / "benchmark.json").write_text(json.dumps(res, indent=2) + "\n")
-        (out_dir / "benchmark.md").write_text(header + md + "\n")
-        return header + md
+        progress = progress_lines(res["parts"])
+        text = header + md + ("\n\n" + progress if progress else "")
+        write_atomic(out_dir / "benchmark.json", json.dumps(res, indent=2) + "\n")
+        write_atomic(out_dir / "benchmark.md", text + "\n")
+        return text
 
-    if "ceiling" not in skip:
-        print("(a) ceiling: train step on device-resident synthetic batches", flush=True)
+    def ceiling():
         res["ceiling"] = measure_ceiling(args, device, amp_dtype, channels_last, compiled=False)
-        save()
-    if "e2e" not in skip:
-        data_root = flower_folder(args, out_dir)
-        res["end_to_end"] = {}
-        for pipe in args.pipelines.split(","):
-            print(f"(b) end to end: train.py on {data_root}, data.pipeline={pipe}", flush=True)
-            r = measure_end_to_end(args, device, pipe, data_root, out_dir)
-            if "ceiling" in res:
-                r["ratio_to_ceiling"] = r["img_per_s"] / res["ceiling"]["img_per_s"]
-            res["end_to_end"][pipe] = r
-            save()
-    if "ddp" not in skip:
-        print("(c) DDP world size 1 vs bare module", flush=True)
+
+    def end_to_end(pipe):
+        if "data_root" not in res["settings"]:
+            res["settings"]["data_root"] = str(flower_folder(args, out_dir))
+        data_root = res["settings"]["data_root"]
+        print(f"(b) end to end: train.py on {data_root}, data.pipeline={pipe}", flush=True)
+        r = measure_end_to_end(args, device, pipe, data_root, out_dir)
+        if "img_per_s" in res.get("ceiling", {}):
+            r["ratio_to_ceiling"] = r["img_per_s"] / res["ceiling"]["img_per_s"]
+        res.setdefault("end_to_end", {})[pipe] = r
+
+    def ddp():
         res["ddp_ws1"] = measure_ddp(args, device, amp_dtype, channels_last)
-        save()
-    if "bare" not in skip:
-        print("(d) CPU: project train step vs a bare PyTorch loop", flush=True)
+
+    def bare():
         res["bare_loop"] = measure_bare(args)
-        save()
-    if args.compile and "ceiling" in res:  # last: compilation takes the longest and may fail
-        print("(a') ceiling with torch.compile", flush=True)
+
+    def compiled():
+        if "img_per_s" not in res.get("ceiling", {}):
+            raise RuntimeError("needs the eager ceiling, which has no result")
         res["ceiling"]["variants"].update(measure_ceiling(args, device, amp_dtype, channels_last,
                                                           compiled=True)["variants"])
+
+    plan = []  # (name, what to print, work), in order; the longest and least sure part last
+    if "ceiling" not in skip:
+        plan.append(("ceiling", "(a) ceiling: train step on device-resident synthetic batches", ceiling))
+    if "e2e" not in skip:
+        plan += [(f"e2e {pipe}", None, lambda pipe=pipe: end_to_end(pipe)) for pipe in args.pipelines.split(",")]
+    if "ddp" not in skip:
+        plan.append(("ddp", "(c) DDP world size 1 vs bare module", ddp))
+    if "bare" not in skip:
+        plan.append(("bare", "(d) CPU: project train step vs a bare PyTorch loop", bare))
+    if args.compile and "ceiling" not in skip:
+        plan.append(("compiled", "(a') ceiling with torch.compile", compiled))
+    status = res["parts"] = {"done": [], "failed": {}, "running": None, "not_started": [p[0] for p in plan]}
+    for name, message, work in plan:
+        status["not_started"].remove(name)
+        status["running"], status["running_since_s"] = name, time.perf_counter() - start
+        save()
+        if message:
+            print(message, flush=True)
+        try:
+            work()
+            status["done"].append(name)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a failed part is a result; the others still run
+            traceback.print_exc()  # (train.main exits on a config error: SystemExit)
+            status["failed"][name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        status["running"] = None
+        status.pop("running_since_s")
+        save()
+    res["meta"]["seconds"] = time.perf_counter() - start
     print("\n" + save(), flush=True)
+    if status["failed"]:
+        raise SystemExit(1)
     return res
 
 

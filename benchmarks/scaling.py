@@ -14,11 +14,16 @@ extra memory on its first GPU shows here), on CPU the peak resident memory of
 the largest process. --batch-size is per device: DataParallel gets it times
 the number of GPUs as its global batch, so every row does the same work per
 device. Writes OUT/scaling.json, OUT/scaling.md and OUT/scaling.png (drawn
-with PIL: no plotting library needed).
+with PIL: no plotting library needed), rewritten (atomically) before and after
+every row: a run stopped at any point leaves a valid table of the rows it
+finished, with the row that was running and those not started marked as such.
+--timeout bounds each row (the run and its child processes are killed), so one
+hung row still leaves time for the next.
 """
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -66,6 +71,34 @@ def device_counts(n, requested):
     return counts + [n]
 
 
+def process_tree(root_pid):
+    """root_pid and all its descendants (from /proc), root first."""
+    children = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    todo, tree = [root_pid], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def kill_tree(root_pid):
+    """SIGKILL a run and everything it started (torchrun's workers, DataLoader workers): killing
+    torchrun alone would leave its workers holding the GPUs. They stay in this process group, so a
+    time limit on this script (timeout(1) signals the group) still reaches them too."""
+    for pid in process_tree(root_pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 class PeakMemory(threading.Thread):
     """Samples memory while a run lasts: per GPU via nvidia-smi, or the child processes' RSS on CPU."""
 
@@ -84,21 +117,13 @@ class PeakMemory(threading.Thread):
         return {int(i): float(m) for i, m in (line.split(",") for line in out.strip().splitlines() if line)}
 
     def _tree_rss(self):
-        children, rss = {}, {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        rss = {}
+        for pid in process_tree(self.root_pid):
             try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                ppid = int(stat.rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(pid))
-                rss[int(pid)] = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                rss[pid] = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             except (OSError, ValueError, IndexError):
                 continue
-        todo, tree = [self.root_pid], []
-        while todo:
-            pid = todo.pop()
-            tree.append(pid)
-            todo.extend(children.get(pid, []))
-        return {"largest process": max((rss.get(p, 0) for p in tree), default=0) / 2 ** 20}
+        return {"largest process": max(rss.values(), default=0) / 2 ** 20}
 
     def run(self):
         while not self.stop.is_set():
@@ -141,19 +166,23 @@ def run_one(args, mode, k, data_root, out_dir, cuda):
                             stderr=subprocess.STDOUT, text=True)
     mem = PeakMemory(proc.pid, cuda)
     mem.start()
+    timed_out = False
     try:
         log, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        timed_out = True
+        kill_tree(proc.pid)
         log, _ = proc.communicate()
     mem.stop.set()
     mem.join()
     wall = time.perf_counter() - start
     (out_dir / f"{mode}{k}.log").write_text(log)
     metrics = run_dir / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
+    if timed_out or proc.returncode != 0 or not metrics.exists():
         tail = "\n".join(log.strip().splitlines()[-5:])
-        return {"mode": mode, "devices": k, "error": f"exit {proc.returncode}: {tail}", "wall_seconds": wall}
+        why = f"timed out after {args.timeout:g} s (--timeout)" if timed_out else f"exit {proc.returncode}"
+        return {"mode": mode, "devices": k, "error": f"{why}: {tail}" if tail else why,
+                "wall_seconds": wall}
     last = json.loads(metrics.read_text().splitlines()[-1])
     return {"mode": mode, "devices": k, "global_batch": batch * (k if mode == "ddp" else 1),
             "s_per_epoch": last["train_seconds"] + last["val_seconds"], "img_per_s": last["img_per_s"],
@@ -170,10 +199,18 @@ def add_speedups(rows):
             r["efficiency"] = r["speedup"] / r["devices"]
 
 
-def markdown(rows, unit):
+def markdown(rows, unit, running=None, not_started=()):
+    """The table: measured rows, then the row running (if any) and those not started, so a file
+    left by a stopped run says what it lacks."""
     lines = ["| mode | devices | global batch | s/epoch | img/s | speedup | efficiency | " + unit + " |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    pending = [(m, k, "started, no result yet (if the run has ended, it was stopped during this row)")
+               for m, k in ([running] if running else [])]
+    pending += [(m, k, "not started") for m, k in not_started]
+    for r in rows + [{"mode": m, "devices": k, "pending": why} for m, k, why in pending]:
+        if "pending" in r:
+            lines.append(f"| {r['mode']} | {r['devices']} | | {r['pending']} | | | | |")
+            continue
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['devices']} | | failed: {r['error'].splitlines()[0][:60]} | | | | |")
             continue
@@ -219,7 +256,9 @@ def chart(rows, path, title):
         x = W - 200 + mi * 60
         d.rectangle([x, 18, x + 12, 30], fill=colours[m])
         d.text((x + 16, 18), m, fill="black")
-    img.save(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -228,7 +267,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available() and not args.quick
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    from benchmarks.benchmark import flower_folder
+    from benchmarks.benchmark import flower_folder, write_atomic
     data_root = Path(flower_folder(argparse.Namespace(data=args.data, quick=args.quick), out_dir)).resolve()
     n = torch.cuda.device_count() if cuda else 2
     counts = device_counts(n, args.gpus if cuda else (args.gpus or "1,2"))
@@ -243,29 +282,37 @@ def main(argv=None):
             if m == "dp" and not cuda:
                 continue  # DataParallel without GPUs runs exactly like single
             plan.append((m, k))
-    rows = []
-    for m, k in plan:
-        print(f"{m} on {k} {'GPU' if cuda else 'CPU process'}(s) ...", flush=True)
-        rows.append(run_one(args, m, k, data_root, out_dir, cuda))
-    add_speedups(rows)
     unit = "peak MiB per GPU (nvidia-smi)" if cuda else "peak RSS MiB (largest process)"
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if cuda else "cpu", "cpu_count": os.cpu_count(),
             "load_avg_at_start": os.getloadavg(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "model": args.model, "img_size": args.img_size, "batch_per_device": args.batch_size,
             "epochs": args.epochs, "pipeline": args.pipeline, "data": str(data_root)}
-    md = markdown(rows, unit)
     header = (f"{meta['date']}, {meta['device']} x{max(counts)}, {meta['cpu_count']} CPU cores (load "
               f"{meta['load_avg_at_start'][0]:.1f}), torch {meta['torch']}; {args.model} {args.img_size} px, "
               f"batch {args.batch_size} per device, data.pipeline={args.pipeline}, last of {args.epochs} epoch(s)"
               f"\n`{meta['command']}`\n\n")
-    (out_dir / "scaling.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (out_dir / "scaling.md").write_text(header + md + "\n")
-    chart(rows, out_dir / "scaling.png", f"{args.model} {args.img_size}px, batch {args.batch_size}/device, "
-                                          f"{meta['device']}")
-    print("\n" + header + md, flush=True)
+    rows = []
+
+    def save(running=None):  # before and after every row: a stopped run leaves a valid partial table
+        add_speedups(rows)
+        not_started = plan[len(rows) + (running is not None):]
+        md = markdown(rows, unit, running, not_started)
+        write_atomic(out_dir / "scaling.json", json.dumps(
+            {"meta": meta, "rows": rows, "running": running, "not_started": not_started}, indent=2) + "\n")
+        write_atomic(out_dir / "scaling.md", header + md + "\n")
+        chart(rows, out_dir / "scaling.png", f"{args.model} {args.img_size}px, batch {args.batch_size}/device, "
+                                              f"{meta['device']}")
+        return md
+
+    for m, k in plan:
+        save(running=(m, k))
+        print(f"{m} on {k} {'GPU' if cuda else 'CPU process'}(s) ...", flush=True)
+        rows.append(run_one(args, m, k, data_root, out_dir, cuda))
+        save()
+    print("\n" + header + save(), flush=True)
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any("error" in r for r in main()) else 0)  # a failed row: a table, and a failed exit

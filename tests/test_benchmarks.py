@@ -1,4 +1,5 @@
-"""The benchmark and the scaling tool run end to end on CPU (--quick).
+"""The benchmark and the scaling tool run end to end on CPU (--quick), and while they run their
+files always hold a valid table of what is finished (what a time limit would leave).
 
 (The train step's freedom from per-step host syncs is tested in tests/test_engine.py.)
 
@@ -7,6 +8,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,17 +19,61 @@ from conftest import REPO
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_tool(*args, timeout=600):
+def run_watching(out_dir, stem, *args, timeout=600):
+    """Run a tool and, every 0.1 s while it runs, read the OUT/<stem>.json and .md it writes.
+
+    -> (CompletedProcess, [each distinct json seen, parsed], [each distinct md seen]): what a
+    time limit would have left, had it stopped the tool at that moment. A json that does not
+    parse (a half-written file) is kept as None.
+    """
     import os
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **ENV}, timeout=timeout)
+    logs = out_dir / "tool-output"
+    logs.mkdir(parents=True, exist_ok=True)
+    texts = {"json": [], "md": []}
+    with open(logs / "stdout", "w") as so, open(logs / "stderr", "w") as se:
+        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=so, stderr=se, text=True,
+                                env={**os.environ, **ENV})
+        try:
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None:
+                assert time.monotonic() < deadline, f"{args[0]} still running after {timeout} s"
+                for ext, seen in texts.items():
+                    try:
+                        text = (out_dir / f"{stem}.{ext}").read_text()
+                    except FileNotFoundError:
+                        continue
+                    if not seen or seen[-1] != text:
+                        seen.append(text)
+                time.sleep(0.1)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def parse(text):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, (logs / "stdout").read_text(),
+                                       (logs / "stderr").read_text())
+    return done, [parse(t) for t in texts["json"]], texts["md"]
 
 
 @pytest.mark.slow
 def test_benchmark_quick_reports_every_part(tmp_path):
-    r = run_tool("benchmarks/benchmark.py", "--quick", "--steps", "2", "--out-dir", tmp_path)
+    r, jsons, mds = run_watching(tmp_path, "benchmark", "benchmarks/benchmark.py", "--quick", "--steps", "2",
+                                 "--out-dir", tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # While it ran, the files held each finished part and named the part running and those not started.
+    assert None not in jsons
+    partial = [j for j in jsons if j["parts"]["done"] == ["ceiling"] and j["parts"]["running"] == "e2e pil"]
+    assert partial and partial[0]["ceiling"]["img_per_s"] > 0, [j["parts"] for j in jsons]
+    assert partial[0]["parts"]["not_started"] == ["e2e gpu", "ddp", "bare"]
+    assert any("| ceiling img/s (eager) |" in md and "- not started: e2e gpu, ddp, bare" in md for md in mds)
     res = json.loads((tmp_path / "benchmark.json").read_text())
+    assert res["parts"] == {"done": ["ceiling", "e2e pil", "e2e gpu", "ddp", "bare"], "failed": {},
+                            "running": None, "not_started": []}
     assert res["ceiling"]["img_per_s"] > 0 and res["ceiling"]["peak_mem_mb"] > 0
     for pipe in ("pil", "gpu"):
         e2e = res["end_to_end"][pipe]
@@ -47,8 +93,18 @@ def test_benchmark_quick_reports_every_part(tmp_path):
 
 @pytest.mark.slow
 def test_scaling_quick_runs_single_and_ddp_over_gloo(tmp_path):
-    r = run_tool("benchmarks/scaling.py", "--quick", "--pipeline", "gpu", "--out-dir", tmp_path)
+    r, jsons, mds = run_watching(tmp_path, "scaling", "benchmarks/scaling.py", "--quick", "--pipeline", "gpu",
+                                 "--out-dir", tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # Before and after each row the files held the rows so far and marked the running one and the rest.
+    assert None not in jsons
+    counts = [len(j["rows"]) for j in jsons]
+    assert counts == sorted(counts) and set(counts) == {0, 1, 2, 3}, counts
+    one = [j for j in jsons if len(j["rows"]) == 1 and j["running"] == ["ddp", 1]]
+    assert one, [(len(j["rows"]), j["running"]) for j in jsons]
+    assert one[0]["rows"][0]["mode"] == "single" and one[0]["rows"][0]["img_per_s"] > 0
+    assert one[0]["not_started"] == [["ddp", 2]]
+    assert any("| single | 1 | 8 |" in md and "| ddp | 2 | | not started |" in md for md in mds), mds
     rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
     assert [(x["mode"], x["devices"]) for x in rows] == [("single", 1), ("ddp", 1), ("ddp", 2)]
     for row in rows:
