@@ -197,15 +197,14 @@ def measure_ceiling(args, device, amp_dtype, channels_last, compiled=False):
 
 
 def flower_folder(args, out_dir):
-    from utils.demo_dataset import FLOWER_PHOTOS_COUNTS, ensure_demo_dataset
+    from demo.flowers import FLOWER_PHOTOS_COUNTS, ensure
     if args.data:
         return Path(args.data)
     if args.quick:
-        return ensure_demo_dataset(out_dir / "data" / "tiny_flowers", images_per_class=10, min_size=40,
-                                   max_size=64)
+        return ensure(out_dir / "data" / "tiny_flowers", images_per_class=10, min_size=40, max_size=64)
     root = REPO / "data" / "bench_flowers"  # kept between runs; data/ is git-ignored
     t = time.perf_counter()
-    ensure_demo_dataset(root, images_per_class=FLOWER_PHOTOS_COUNTS)
+    ensure(root, images_per_class=FLOWER_PHOTOS_COUNTS)
     print(f"flower-sized folder ready at {root} ({time.perf_counter() - t:.0f}s)", flush=True)
     return root
 
