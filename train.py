@@ -14,10 +14,10 @@ import torch
 
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
+from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
 from utils.engine import fit
-from utils.cli import cli_entry
 
 
 @cli_entry

@@ -19,10 +19,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
+from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import convert_sync_bn, init_distributed_mode
 from utils.engine import fit
-from utils.cli import cli_entry
 
 
 @cli_entry

@@ -16,12 +16,12 @@ from torch import nn
 
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
+from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
 from utils.engine import fit
-from utils.optim import AutocastForward, resolve_amp
-from utils.cli import cli_entry
 from utils.errors import UserError
+from utils.optim import AutocastForward, resolve_amp
 
 
 @cli_entry
