@@ -15,7 +15,9 @@ is replaced by the next readable one, warned about once with its path and
 counted as `bad_images` in metrics.jsonl; data.bad_image=error stops instead,
 and data.verify=true decodes every image once before training.
 """
+import functools
 import os
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
-from utils.distributed_utils import gather_objects, get_rank, get_world_size, is_main_process
+from utils.distributed_utils import broadcast_object, gather_objects, get_rank, get_world_size, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
 
@@ -63,15 +65,25 @@ def warn(msg):
         print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _images_in(folder, ignored=None):
-    """Image files under `folder` (symlinks followed); everything else goes to `ignored`."""
-    images, ignored = [], ignored if ignored is not None else []
+@functools.lru_cache(maxsize=None)
+def _walk(folder):
+    """(image files, other files) under `folder`, symlinks followed. Cached for one split_dataset
+    call: a class folder is walked once, though both the class check and the split read it."""
+    images, others = [], []
     for dirpath, dirs, files in os.walk(folder, followlinks=True):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # .ipynb_checkpoints, .git, ...
         for f in files:
-            (images if is_image_file(f) else ignored).append(str(Path(dirpath) / f))
+            (images if is_image_file(f) else others).append(str(Path(dirpath) / f))
     # Sorted so the list, and therefore the split, does not depend on the filesystem's order.
-    return sorted(images)
+    return tuple(sorted(images)), tuple(others)
+
+
+def _images_in(folder, ignored=None):
+    """Image files under `folder` (symlinks followed); everything else goes to `ignored`."""
+    images, others = _walk(str(folder))
+    if ignored is not None:
+        ignored.extend(others)
+    return list(images)
 
 
 def _scan(root, classes, ignored):
@@ -94,7 +106,8 @@ def _non_empty_classes(root, names):
 
 
 def split_dataset(root, val_rate=0.2, split_seed=0):
-    """Read the class folders under `root` and split them into train/val."""
+    """Read the class folders under `root` and split them into train/val (no collectives: see shared_split)."""
+    _walk.cache_clear()
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"data path '{root}' does not exist or is not a folder; "
@@ -138,6 +151,39 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
         hidden = sum(os.path.basename(p).startswith(".") for p in ignored)
         warn(f"ignored {len(ignored)} file(s) under '{root}' that are not images "
              f"({hidden} hidden), e.g. '{ignored[0]}'")
+    _walk.cache_clear()
+    return split
+
+
+def node_name():
+    """This machine, as a user would look for it: host name and torchrun's (or SLURM's) node rank."""
+    rank = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID"))
+    return socket.gethostname() + (f" (node rank {rank})" if rank is not None else "")
+
+
+def shared_split(root, val_rate=0.2, split_seed=0):
+    """split_dataset, run by global rank 0 alone and handed to every rank (one broadcast).
+
+    One scan instead of one per rank: no metadata storm on a shared filesystem, and the
+    split is rank 0's on every rank. Each rank then checks that its node sees the data
+    (two stats); a node that does not is named in one line. Called by every rank.
+    """
+    result = None
+    if get_rank() == 0:
+        try:
+            result = ("ok", split_dataset(root, val_rate, split_seed))
+        except UserError as e:
+            result = ("error", str(e), e.exit_code)
+    result = broadcast_object(result)
+    if result[0] == "error":
+        raise UserError(result[1], exit_code=result[2], every_rank=True)
+    split = result[1]
+    probes = [str(root)] + [samples[0][0] for samples in (split.train, split.val) if samples]
+    mine = None if all(os.path.exists(p) for p in probes) else node_name()
+    missing = sorted({name for name in gather_objects(mine) if name})
+    if missing:
+        raise UserError(f"data path '{root}' is missing on {', '.join(missing)}: every node needs the data "
+                        "at the same path (copy it there, or use a shared filesystem)", every_rank=True)
     return split
 
 
@@ -284,7 +330,7 @@ def verify_images(paths, max_pixels):
 
 def build_datasets(data_cfg):
     """The config's data section -> (train dataset, val dataset, class names)."""
-    split = split_dataset(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
+    split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
     known_bad = 0
     if data_cfg.verify:
         bad = verify_images([p for p, _ in split.train + split.val], data_cfg.max_image_pixels)

@@ -21,7 +21,7 @@ from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
 from utils.cli import cli_entry
 from utils.config import load_config
-from utils.distributed_utils import convert_sync_bn, init_distributed_mode
+from utils.distributed_utils import convert_sync_bn, ddp_kwargs, init_distributed_mode
 from utils.engine import fit
 
 
@@ -30,7 +30,7 @@ def main(argv=None):
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
     # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo; without torchrun, a group of one --
-    dist_info = init_distributed_mode(cfg.train.device)
+    dist_info = init_distributed_mode(cfg.train.device, backend=cfg.ddp.backend)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
 
@@ -44,8 +44,8 @@ def main(argv=None):
     # -- model: SyncBN (CUDA only), then one DDP replica per process --
     model = build_model(cfg.model, len(classes), device, verbose=rank == 0)
     model = convert_sync_bn(model, cfg.model.sync_bn, device, verbose=rank == 0)
-    # cfg.ddp: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
+    # cfg.ddp less its backend: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs(cfg.ddp))
 
     return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="ddp")  # cli_entry cleans up
 

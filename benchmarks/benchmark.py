@@ -246,7 +246,8 @@ def measure_ddp(args, device, amp_dtype, channels_last):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from utils.config import load_config
-    configured = dict(load_config([]).ddp)
+    from utils.distributed_utils import ddp_kwargs
+    configured = ddp_kwargs(load_config([]).ddp)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils.distributed_utils import any_rank
+from utils.distributed_utils import any_rank, broadcast_object
 from utils.errors import RUNTIME_EXIT, UserError
 
 
@@ -182,6 +182,27 @@ def find_resume_path(resume, run_dir, restarted=False):
     return path
 
 
+def agree_resume(resume, run_dir, restarted, rank):
+    """(path, state) of the checkpoint to continue from, the same on every rank; (None, None) for none.
+
+    Rank 0 alone looks for it and reads it, then broadcasts it: the nodes need not share
+    a filesystem, and a node whose run directory is empty resumes rank 0's state. An
+    error (a missing --resume file, a corrupt checkpoint) is rank 0's, raised on every
+    rank. Called by every rank (one broadcast).
+    """
+    found = None
+    if rank == 0:
+        try:
+            path = find_resume_path(resume, run_dir, restarted)
+            found = ("ok", path, load_checkpoint(path, map_location="cpu") if path else None)
+        except UserError as e:
+            found = ("error", str(e), e.exit_code)
+    kind, a, b = broadcast_object(found)
+    if kind == "error":
+        raise UserError(a, exit_code=b, every_rank=True)
+    return a, b
+
+
 def load_checkpoint(path, map_location):
     """weights_only=True: tensors and plain containers only; a pickled callable is refused, never run."""
     try:
@@ -262,22 +283,26 @@ def data_layout(seed, world_size, batch_size, steps_per_epoch, train_images):
 def resume_point(state, rank, layout):
     """This rank's saved random state, and for a mid-epoch checkpoint where to continue in the epoch.
 
-    Returns (rng or None, mid or None); mid = {"epoch_step", "loss_sum", "images_seen", "rng", "lr"}.
+    Returns (rng or None, mid or None, note or None); mid = {"epoch_step", "loss_sum",
+    "images_seen", "rng", "lr"}. A mid-epoch checkpoint whose batch order no longer holds
+    (another world size after an elastic restart, another batch size, seed or data) cannot
+    continue inside its epoch: the epoch restarts from its first batch, and `note` says so.
     """
     ranks = state.get("ranks") or []
     same_world = len(ranks) == layout["world_size"]
     rng = ranks[rank]["rng"] if same_world else None
     if not state.get("epoch_step"):
-        return rng, None
+        return rng, None, None
     theirs = state.get("data") or {}
     changed = [f"{k} {theirs.get(k)} -> {v}" for k, v in layout.items() if theirs.get(k) != v]
     if changed or not same_world:
-        raise UserError(f"checkpoint was written in the middle of epoch {state['epoch'] + 1} and the batch "
-                        f"order has changed since ({', '.join(changed) or 'world size'}); resume with the "
-                        "same processes, batch size, seed and data, or from an epoch_NNN.pt (train.keep_last)")
+        return rng, None, (f"note: the checkpoint was written at step {state['epoch_step']} of epoch "
+                           f"{state['epoch'] + 1} and the batch order has changed since "
+                           f"({', '.join(changed) or 'world size'}): epoch {state['epoch'] + 1} restarts from "
+                           "its first batch (the weights keep the steps already trained)")
     mine = ranks[rank]
     return rng, {"epoch_step": state["epoch_step"], "loss_sum": mine["loss_sum"],
-                 "images_seen": mine["images_seen"], "rng": mine["rng"], "lr": state["epoch_lr"]}
+                 "images_seen": mine["images_seen"], "rng": mine["rng"], "lr": state["epoch_lr"]}, None
 
 
 class Checkpointer:

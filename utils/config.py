@@ -81,6 +81,7 @@ class TrainConfig:
 
 @dataclass
 class DDPConfig:
+    backend: str = MISSING
     bucket_cap_mb: int = MISSING
     gradient_as_bucket_view: bool = MISSING
     static_graph: bool = MISSING
@@ -118,6 +119,7 @@ CHOICES = {
     "train.amp": ("auto", "bf16", "fp16", "off"),
     "data.pipeline": ("pil", "gpu", "auto"),
     "data.bad_image": ("warn", "error"),
+    "ddp.backend": ("auto", "nccl", "gloo"),
 }
 
 

@@ -99,16 +99,35 @@ def _restart_store(world_size, timeout):
     return dist.PrefixStore(f"train_template/attempt_{attempt}", agent_store)
 
 
-def init_distributed_mode(device="auto", timeout_minutes=30):
+def resolve_backend(requested, want_cuda):
+    """ddp.backend -> "nccl" or "gloo". auto: nccl on CUDA where this torch has it, else gloo
+    (CPU runs, Windows, CUDA builds without NCCL); gloo also runs on CUDA tensors."""
+    if requested == "nccl" and not want_cuda:
+        raise UserError("ddp.backend=nccl needs CUDA GPUs, and this run is on the CPU; use ddp.backend=gloo (or auto)")
+    if requested == "nccl" and not dist.is_nccl_available():
+        raise UserError("ddp.backend=nccl: this torch build has no NCCL; use ddp.backend=gloo (or auto)")
+    if requested == "auto":
+        return "nccl" if want_cuda and dist.is_nccl_available() else "gloo"
+    return requested
+
+
+def ddp_kwargs(ddp_cfg):
+    """The config's ddp section as DistributedDataParallel's keyword arguments: all but `backend`,
+    which is the process group's (init_distributed_mode), not DDP's."""
+    return {key: value for key, value in dict(ddp_cfg).items() if key != "backend"}
+
+
+def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto"):
     """Join the process group described by the environment and pick this rank's device.
 
-    `device` is the config's train.device: "auto" takes CUDA when present
-    (nccl), otherwise CPU (gloo). Outside torchrun/srun it forms a group of one
-    process, so `python train_multi_gpu_ddp.py` trains as one process, wrapped in
-    DDP like every rank of a bigger job.
+    `device` is the config's train.device: "auto" takes CUDA when present,
+    otherwise CPU; `backend` is ddp.backend (resolve_backend). Outside torchrun/srun it
+    forms a group of one process, so `python train_multi_gpu_ddp.py` trains as one
+    process, wrapped in DDP like every rank of a bigger job.
     """
     launch = read_launch_env()
     want_cuda = _parse_device(device).type == "cuda"
+    backend = resolve_backend(backend, want_cuda)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if launch is None:
         dev = resolve_device(device)
@@ -116,7 +135,7 @@ def init_distributed_mode(device="auto", timeout_minutes=30):
         print(f"note: no torchrun or srun environment: training as one process on {dev}; for N GPUs "
               f"launch with: torchrun --nproc_per_node=N {os.path.basename(sys.argv[0])} ...", flush=True)
         # An in-process store: a group of one needs no address or port.
-        _join(dict(backend="nccl" if want_cuda else "gloo", rank=0, world_size=1, timeout=timeout,
+        _join(dict(backend=backend, rank=0, world_size=1, timeout=timeout,
                    store=dist.HashStore()), dev, rank=0)
         return DistInfo(device=dev, distributed=True)
     rank, world_size, local_rank = launch
@@ -124,9 +143,9 @@ def init_distributed_mode(device="auto", timeout_minutes=30):
         if local_rank >= torch.cuda.device_count():
             raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
                             "lower --nproc_per_node")
-        dev, backend = torch.device("cuda", local_rank), "nccl"
+        dev = torch.device("cuda", local_rank)
     else:
-        dev, backend = torch.device("cpu"), "gloo"
+        dev = torch.device("cpu")
     use_device(dev)
     if "MASTER_ADDR" not in os.environ:  # srun without torchrun: single-node default
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

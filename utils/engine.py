@@ -21,7 +21,7 @@ from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, reduce_min,
                                      reduce_value)
 from utils.errors import RUNTIME_EXIT, UserError
-from utils.optim import build_optimizer, build_scaler, build_scheduler, resolve_amp
+from utils.optim import build_optimizer, build_scaler, build_scheduler, place_schedule, resolve_amp
 from utils.run_logger import RunLogger
 from utils.stop import StopRequest
 
@@ -44,7 +44,7 @@ def _to_device(images, labels, device, channels_last):
 
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, *, amp_dtype=None,
                     channels_last=False, log_every=20, global_step=0, world_size=1, logger=None,
-                    resume=None, stop=None, save_every=0, save_step=None):
+                    resume=None, stop=None, save_every=0, save_step=None, epochs=None):
     """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step.
 
     resume: a mid-epoch checkpoint's point (checkpoint.resume_point) to continue from.
@@ -70,7 +70,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
         ckpt.set_rng_state(resume["rng"])
     next_save = (global_step // save_every + 1) * save_every if save_every else None
     start = window_start = time.perf_counter()
-    bar = logger.progress(batches, len(loader) - skip, f"epoch {epoch + 1} train")
+    label = f"epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")
+    bar = logger.progress(batches, len(loader) - skip, f"{label} train")
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, device, channels_last)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -105,8 +106,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
                                 exit_code=RUNTIME_EXIT, every_rank=True)
             now = time.perf_counter()
             speed = window_steps * labels.shape[0] * world_size / max(now - window_start, 1e-9)
-            bar.set_postfix(loss=f"{window_loss:.4f}", img_s=f"{speed:.0f}",
-                            lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            eta = (now - start) / (i + 1 - skip) * (len(loader) - i - 1)  # to the end of this epoch
+            logger.window(bar, label, i + 1, len(loader), window_loss, speed, optimizer.param_groups[0]["lr"], eta)
             logger.scalar("train/loss_step", window_loss, global_step)
             window_sum.zero_()
             window_steps, window_start = 0, now
@@ -227,7 +228,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         raise UserError("torchrun restarted the workers, but the run has no fixed --output-dir to continue; "
                         "with --max-restarts pass --output-dir DIR --resume auto")
     run_dir = resolve_run_dir(cfg, script_name, dist_info)
-    resume_path = ckpt.find_resume_path(cfg.resume, run_dir, restarted)
+    # Rank 0 finds and reads the checkpoint and hands it to every rank: nodes need not share the run directory.
+    resume_path, resume_state = ckpt.agree_resume(cfg.resume, run_dir, restarted, rank)
     if main:
         _check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         _check_writable(run_dir)
@@ -245,10 +247,20 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                               len(train_loader.dataset))
     start_epoch, global_step, best_acc, mid, notes = 0, 0, -1.0, None, []
     if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, map_location=device)
+        state, resume_state = resume_state, None
         start_epoch, global_step, best_acc = ckpt.restore(state, model, optimizer, scheduler, scaler, classes,
                                                           model_name=cfg.model.name)
-        rng, mid = ckpt.resume_point(state, rank, layout)
+        rng, mid, note = ckpt.resume_point(state, rank, layout)
+        notes += [note] if note else []
+        their_steps = (state.get("data") or {}).get("steps_per_epoch")
+        if their_steps not in (None, len(train_loader)):
+            # Another world size (an elastic restart) or batch size: the schedule continues in this run's steps.
+            global_step = start_epoch * len(train_loader)
+            place_schedule(scheduler, cfg.optim, world, (state.get("config") or {}).get("train", {}).get(
+                "epochs") or cfg.train.epochs, len(train_loader), global_step)
+            notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {len(train_loader)} "
+                         f"({world} process(es)): the lr schedule continues from epoch {start_epoch + 1}'s start "
+                         "in this run's steps")
         if rng is not None:
             ckpt.set_rng_state(rng)  # Python/NumPy continue; torch's is reseeded per epoch below
         their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
@@ -292,7 +304,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                                     amp_dtype=amp_dtype, channels_last=channels_last,
                                     log_every=cfg.train.log_every, global_step=global_step,
                                     world_size=world, logger=logger, resume=mid, stop=stop,
-                                    save_every=cfg.train.save_every_steps, save_step=save_step)
+                                    save_every=cfg.train.save_every_steps, save_step=save_step,
+                                    epochs=cfg.train.epochs)
             mid = None
             global_step = train.pop("global_step")
             if train.pop("stopped", False):

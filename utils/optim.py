@@ -45,6 +45,25 @@ def build_scheduler(optimizer, optim_cfg, epochs, steps_per_epoch):
         optimizer, WarmupCosine(epochs * steps_per_epoch, warmup, optim_cfg.lrf))
 
 
+def place_schedule(scheduler, optim_cfg, world_size, epochs, steps_per_epoch, step):
+    """Re-place a restored schedule for this run's layout, at global step `step`.
+
+    A checkpoint of another world size or batch size counts its schedule in its own
+    steps per epoch and scales lr for its own world size (optim.scale_lr); kept as is,
+    the cosine would end early or late. The optimizer's lr follows at once.
+    """
+    base = optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
+    shape = WarmupCosine(epochs * steps_per_epoch, int(round(optim_cfg.warmup_epochs * steps_per_epoch)),
+                         optim_cfg.lrf)
+    groups = scheduler.optimizer.param_groups
+    scheduler.lr_lambdas = [shape] * len(groups)
+    scheduler.base_lrs = [base] * len(groups)
+    scheduler.last_epoch = step
+    for group in groups:
+        group["initial_lr"], group["lr"] = base, base * shape(step)
+    scheduler._last_lr = [group["lr"] for group in groups]
+
+
 def resolve_amp(amp, device):
     """Config's train.amp -> autocast dtype, or None for full fp32."""
     if device.type != "cuda" or amp == "off":

@@ -14,9 +14,11 @@ from utils.config import save_config
 
 
 class RunLogger:
-    def __init__(self, run_dir, enabled, start_epoch=0, start_step=0, resuming=False):
+    def __init__(self, run_dir, enabled, start_epoch=0, start_step=0, resuming=False, tty=None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
+        # A terminal gets tqdm bars; a file (SLURM's output, nohup, a pipe) gets one plain line per log window.
+        self.tty = sys.stderr.isatty() if tty is None else tty
         self.writer = None
         if not enabled:
             return
@@ -72,10 +74,39 @@ class RunLogger:
         self.writer.flush()
 
     def progress(self, iterable, total, desc):
-        # In a log file (no TTY) a redraw per step would flood it; redraw every 30 s instead.
-        return tqdm(iterable, total=total, desc=desc, disable=not self.enabled, dynamic_ncols=True,
-                    leave=False, mininterval=0.1 if sys.stderr.isatty() else 30)
+        """A tqdm bar on a terminal; elsewhere the iterable itself (no bar, so no carriage returns in a file)."""
+        if not (self.enabled and self.tty):
+            return _NoBar(iterable)
+        return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, leave=False, mininterval=0.1)
+
+    def window(self, bar, label, step, total, loss, img_s, lr, eta_s):
+        """A log window's numbers: the bar's postfix on a terminal, else one plain line (rank 0 only)."""
+        if not self.enabled:
+            return
+        if self.tty:
+            bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{img_s:.0f}", lr=f"{lr:.2e}")
+        else:
+            print(f"{label}  step {step}/{total}  loss {loss:.4f}  {img_s:.0f} img/s  lr {lr:.2e}  "
+                  f"ETA {_clock(eta_s)}", flush=True)
 
     def close(self):
         if self.writer is not None:
             self.writer.close()
+
+
+class _NoBar:
+    """Where no bar is drawn (not rank 0, or no terminal): iterates, and ignores bar calls."""
+
+    def __init__(self, iterable):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def set_postfix(self, **_):
+        pass
+
+
+def _clock(seconds):
+    seconds = int(round(max(seconds, 0)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -1,6 +1,7 @@
-"""SIGTERM / SIGINT -> a stop request honoured at a step boundary, never in the middle of a step.
+"""SIGTERM / SIGINT / SIGUSR1 -> a stop request honoured at a step boundary, never in the middle of a step.
 
     kill -TERM <pid>    # or Ctrl-C, or a scheduler's preemption signal: checkpoint, then exit 143 (130 for Ctrl-C)
+    kill -USR1 <pid>    # the same: SLURM's --signal=USR1@120 warning before the time limit (exit 138)
 
 fit() holds a StopRequest while it trains. The training loop reads it every
 step on one process; under DDP it is read once per train.log_every steps and
@@ -14,6 +15,8 @@ import signal
 import threading
 
 FORCE_AFTER = 3
+# SIGUSR1 is what SLURM's --signal=USR1@SECONDS sends before the time limit (no SIGUSR1 on Windows).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
 
 
 class StopRequest:
@@ -42,7 +45,7 @@ class StopRequest:
     def install(self):
         # Python delivers signals to the main thread only; elsewhere leave the handlers alone.
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
