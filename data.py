@@ -4,6 +4,7 @@ Two layouts are accepted under `data.path`:
 
     flower_photos/daisy/*.jpg, flower_photos/roses/*.jpg, ...        split here by data.val_rate
     root/train/daisy/*.jpg ... and root/val/daisy/*.jpg ...           split already made
+    root/train/, root/val/ and root/test/                              test/ is what --eval-only evaluates
 
 The split is per class and driven by its own seeded generator, so it is the
 same on every rank and every run and never touches the global RNG.
@@ -48,6 +49,7 @@ class Split:
     train: list            # [(path, label), ...]
     val: list
     ignored: list = field(default_factory=list)   # hidden and non-image files found under the root
+    test: list = field(default_factory=list)      # root/test/, when the root has one: for --eval-only
 
 
 def is_image_file(path):
@@ -116,11 +118,14 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
     # Hidden files beside the class folders (.DS_Store, the demo set's .complete marker) are no one's
     # mistake; files inside class folders are counted below, hidden or not.
     ignored = [str(root / f) for f in os.listdir(root) if (root / f).is_file() and not f.startswith(".")]
-    if top == ["train", "val"]:
-        if _class_dirs(root / "val") != _class_dirs(root / "train"):
-            raise UserError(f"'{root}/train' and '{root}/val' must hold the same class folders")
+    if top in (["train", "val"], ["test", "train", "val"]):
+        for other in top[:-2] + ["val"]:
+            if _class_dirs(root / other) != _class_dirs(root / "train"):
+                raise UserError(f"'{root}/train' and '{root}/{other}' must hold the same class folders")
         classes = _non_empty_classes(root / "train", _class_dirs(root / "train"))
         split = Split(classes, _scan(root / "train", classes, ignored), _scan(root / "val", classes, ignored))
+        if "test" in top:
+            split.test = _scan(root / "test", classes, ignored)
     else:
         classes = _non_empty_classes(root, top)
         split = Split(classes, [], [])
@@ -328,8 +333,11 @@ def verify_images(paths, max_pixels):
     return sorted(m for part in gather_objects(bad) for m in part)
 
 
-def build_datasets(data_cfg):
-    """The config's data section -> (train dataset, val dataset, class names)."""
+def build_datasets(data_cfg, eval_only=False):
+    """The config's data section -> (train dataset, val dataset, class names).
+
+    eval_only: the second dataset is root/test/ when the root has one (its `split` says which).
+    """
     split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
     known_bad = 0
     if data_cfg.verify:
@@ -348,8 +356,9 @@ def build_datasets(data_cfg):
         known_bad = len(bad)
     train_tf, val_tf = build_transforms(**_transform_args(data_cfg))
     opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels)
-    return (ImageList(split.train, train_tf, known_bad=known_bad, **opts), ImageList(split.val, val_tf, **opts),
-            split.classes)
+    held_out = ImageList(split.test if eval_only and split.test else split.val, val_tf, **opts)
+    held_out.split = "test" if eval_only and split.test else "val"
+    return ImageList(split.train, train_tf, known_bad=known_bad, **opts), held_out, split.classes
 
 
 def epoch_sampler(dataset, seed, num_replicas=1, rank=0):

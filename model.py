@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from utils.checkpoint import strip_wrapper_prefixes
+from utils.checkpoint import load_checkpoint, strip_wrapper_prefixes
 from utils.errors import UserError
 
 
@@ -78,3 +78,38 @@ def build_model(model_cfg, num_classes, device, verbose=True):
     if model_cfg.channels_last and device.type == "cuda":
         model.to(memory_format=torch.channels_last)
     return model
+
+
+def checkpoint_path(source):
+    """A checkpoint file, or a run directory (its checkpoints/best.pt) -> the checkpoint's path."""
+    path = Path(source)
+    if path.is_dir():
+        best = path / "checkpoints" / "best.pt"
+        if not best.is_file():
+            raise UserError(f"run directory '{path}' has no checkpoints/best.pt; pass a checkpoint file")
+        return best
+    if not path.is_file():
+        raise UserError(f"checkpoint '{path}' does not exist (pass a run directory or a .pt file)")
+    return path
+
+
+def load_trained(source):
+    """A run directory or checkpoint of train*.py -> (eval-mode CPU model, class names, its config dict).
+
+    Everything comes from the checkpoint itself: architecture, classes, image sizes.
+    EMA weights ("ema"), when the checkpoint holds them, are used instead of the raw ones.
+    """
+    path = checkpoint_path(source)
+    state = load_checkpoint(path, map_location="cpu")  # weights_only: pickled code is refused
+    config, classes = state.get("config") or {}, list(state.get("classes") or [])
+    name = (config.get("model") or {}).get("name")
+    if not name or not classes:
+        raise UserError(f"checkpoint '{path}' holds no model name or class list; was it written by train*.py?")
+    model = create_model(name, num_classes=len(classes))
+    ema = state.get("ema")
+    weights = ema if isinstance(ema, dict) and ema else state["model"]
+    try:
+        model.load_state_dict(strip_wrapper_prefixes(weights))
+    except RuntimeError as e:
+        raise UserError(f"checkpoint '{path}' does not fit a {name}: {str(e).splitlines()[0]}")
+    return model.eval(), classes, config, path

@@ -33,7 +33,7 @@ def main(argv=None):
     torch.manual_seed(cfg.train.seed)
 
     # -- data: the whole training set on this one process, reshuffled every epoch --
-    train_set, val_set, classes = build_datasets(cfg.data)
+    train_set, val_set, classes = build_datasets(cfg.data, eval_only=cfg.eval_only)
     train_sampler = epoch_sampler(train_set, cfg.train.seed)
     train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
     val_sampler = ShardSampler(val_set)

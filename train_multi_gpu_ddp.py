@@ -35,7 +35,7 @@ def main(argv=None):
     torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
 
     # -- data: a disjoint shard per rank, reshuffled each epoch (set_epoch in fit); exact, unpadded val shards --
-    train_set, val_set, classes = build_datasets(cfg.data)
+    train_set, val_set, classes = build_datasets(cfg.data, eval_only=cfg.eval_only)
     train_sampler = epoch_sampler(train_set, cfg.train.seed, world, rank)
     train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
     val_sampler = ShardSampler(val_set, world, rank)

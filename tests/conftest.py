@@ -78,3 +78,16 @@ def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds; still runs in CI")
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """One finished train.py run shared by the after-training tests (predict, export, eval-only,
+    pictures): 3 epochs of resnet18 at 32 px on 5 classes x 6 images, epoch_NNN.pt of each kept."""
+    root = tmp_path_factory.mktemp("trained")
+    data = make_image_folder(root / "flowers")
+    run_dir = root / "run"
+    base = [*FAST_ARGS, "--data-path", data, "train.worst_images=4"]
+    proc = run_entry("train.py", *base, "--output-dir", run_dir, "train.epochs=3", "train.keep_last=3")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return {"data": data, "run_dir": run_dir, "base": base}

@@ -2,6 +2,7 @@
 
 Set TRAIN_DEBUG=1 in the environment to get the full Python traceback as well.
 """
+import argparse
 import functools
 import os
 import sys
@@ -40,3 +41,10 @@ def cli_entry(main):
             cleanup()
 
     return wrapper
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools (predict.py, export.py): a bad argument is one `error:` line, exit 2."""
+
+    def error(self, message):
+        raise UserError(message)

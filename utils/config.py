@@ -77,6 +77,7 @@ class TrainConfig:
     keep_last: int = MISSING
     save_every_steps: int = MISSING
     compile: bool = MISSING
+    worst_images: int = MISSING
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Config:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     output_dir: Optional[str] = MISSING
     resume: Optional[str] = MISSING
+    eval_only: bool = MISSING
 
 
 # Classic flag -> dotted key. Values are handed to OmegaConf as text, so the
@@ -136,6 +138,8 @@ def build_arg_parser(description=""):
     p.add_argument("--config", help="YAML recipe merged over configs/default.yaml")
     for flag, key in CLASSIC_FLAGS.items():
         p.add_argument(flag, dest=key.replace(".", "__"), metavar="VALUE", help=f"sets {key}")
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the --resume checkpoint (or --weights) and write eval.json; no training")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     return p
 
@@ -209,6 +213,10 @@ def _check_ranges(cfg):
         bad("ddp.bucket_cap_mb", "must be at least 1")
     if cfg.train.keep_last < 0:
         bad("train.keep_last", "must be 0 or more")
+    if cfg.train.worst_images < 0:
+        bad("train.worst_images", "must be 0 (no picture) or more")
+    if cfg.eval_only and not (cfg.resume or cfg.model.weights):
+        raise UserError("--eval-only needs a model to evaluate: --resume CHECKPOINT or --weights FILE")
     if cfg.train.save_every_steps < 0:
         bad("train.save_every_steps", "must be 0 (epoch ends only) or more")
     for key, allowed in CHOICES.items():
@@ -244,6 +252,8 @@ def _load_config(argv, description):
         if "=" not in item:
             raise UserError(f"'{item}' is not a key=value override (e.g. optim.lr=0.05)")
         dotlist.append(item)
+    if args.eval_only:
+        dotlist.append("eval_only=true")
     try:
         layers = [schema, OmegaConf.create(_load_yaml(DEFAULT_CONFIG))]
         if args.config:

@@ -7,6 +7,7 @@ resume, epochs, exact distributed evaluation, checkpoints and logs.
 Per step nothing is copied back to the host: losses are summed on the device
 and read once per `train.log_every` steps, where a NaN/inf is also caught.
 """
+import json
 import math
 import os
 import time
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 
 from utils import checkpoint as ckpt
 from utils.config import config_to_dict
-from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, reduce_min,
-                                     reduce_value)
+from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects,
+                                     reduce_min, reduce_value)
 from utils.errors import RUNTIME_EXIT, UserError
 from utils.optim import build_optimizer, build_scaler, build_scheduler, place_schedule, resolve_amp
 from utils.run_logger import RunLogger
@@ -44,13 +45,15 @@ def _to_device(images, labels, device, channels_last):
 
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, *, amp_dtype=None,
                     channels_last=False, log_every=20, global_step=0, world_size=1, logger=None,
-                    resume=None, stop=None, save_every=0, save_step=None, epochs=None):
+                    resume=None, stop=None, save_every=0, save_step=None, epochs=None, first_batch=None):
     """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step.
 
     resume: a mid-epoch checkpoint's point (checkpoint.resume_point) to continue from.
     stop: a StopRequest; when any rank has one, all stop at the same window boundary.
     save_step(epoch_step, global_step, loss_sum, images_seen): called by every rank at the
     first window boundary after each `save_every` steps, and on a stop; then "stopped" is set.
+    first_batch(images, labels): called with the epoch's first batch as the model gets it (the
+    augmented-samples picture); not called when the epoch is resumed past its first step.
     """
     model.train()
     logger = logger or RunLogger(".", enabled=False)
@@ -74,6 +77,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
     bar = logger.progress(batches, len(loader) - skip, f"{label} train")
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, device, channels_last)
+        if i == 0 and first_batch is not None:
+            first_batch(images, labels)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
@@ -109,6 +114,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             eta = (now - start) / (i + 1 - skip) * (len(loader) - i - 1)  # to the end of this epoch
             logger.window(bar, label, i + 1, len(loader), window_loss, speed, optimizer.param_groups[0]["lr"], eta)
             logger.scalar("train/loss_step", window_loss, global_step)
+            # The lr the window ended with (a Python float, no sync): warm-up and cosine show as curves.
+            logger.scalar("train/lr", optimizer.param_groups[0]["lr"], global_step)
             window_sum.zero_()
             window_steps, window_start = 0, now
             # The epoch's last step is followed by evaluation and the epoch checkpoint anyway.
@@ -129,39 +136,84 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, num_classes, *, amp_dtype=None, channels_last=False, logger=None):
-    """Loss, accuracy and per-class accuracy over the whole validation set.
+def evaluate(model, loader, device, num_classes, *, amp_dtype=None, channels_last=False, logger=None,
+             worst_k=0):
+    """Loss, accuracy (top-1, top-5), confusion matrix, per-class precision/recall/F1 over the whole
+    validation set, and with `worst_k` the k misclassified images of highest loss ("val_worst").
 
     Each rank evaluates a disjoint, unpadded shard (data.ShardSampler) and the
     sums are all-reduced once, so every image counts exactly once and the
-    result equals a single-process evaluation whatever the world size.
+    result equals a single-process evaluation whatever the world size. Each rank
+    keeps its own k worst on the device (no host sync per batch); the lists are
+    gathered once and merged by (loss, dataset index), as one process would rank them.
     """
     broadcast_buffers(model)  # every rank evaluates rank 0's model, the one checkpointed
     model.eval()
     logger = logger or RunLogger(".", enabled=False)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)
+    top5 = torch.zeros((), device=device, dtype=torch.float64)
+    # Dataset index of each image this rank sees, in loader order (the val sampler does not shuffle).
+    order = list(getattr(loader, "sampler", None) or []) if worst_k else []
+    positions = torch.tensor(order, device=device, dtype=torch.long)
+    worst = torch.empty(0, 5, device=device, dtype=torch.float64)  # loss, index, pred, prob, label
+    seen = 0
     start = time.perf_counter()
     for images, labels in logger.progress(loader, len(loader), "eval"):
         images, labels = _to_device(images, labels, device, channels_last)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
-        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").double()
+        losses = F.cross_entropy(logits.float(), labels, reduction="none").double()
+        loss_sum += losses.sum()
         pred = logits.argmax(dim=1)
         # index_add_, not bincount: bincount sizes its output from the data, a host sync on CUDA.
         cells = labels * num_classes + pred
         confusion.index_add_(0, cells, torch.ones_like(cells, dtype=confusion.dtype))
-    totals = reduce_value(torch.cat([loss_sum.view(1), confusion]), average=False).cpu()
-    confusion = totals[1:].view(num_classes, num_classes)  # rows: true class, columns: predicted
+        if num_classes >= 5:
+            top5 += (logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1).sum()
+        if len(order):
+            n = labels.shape[0]
+            prob = logits.float().softmax(dim=1).gather(1, pred[:, None]).squeeze(1).double()
+            key = torch.where(pred != labels, losses, torch.full_like(losses, -math.inf))
+            rows = torch.stack([key, positions[seen:seen + n].double(), pred.double(), prob, labels.double()], dim=1)
+            worst = torch.cat([worst, rows])
+            worst = worst[worst[:, 0].topk(min(worst_k, len(worst))).indices]
+            seen += n
+    totals = reduce_value(torch.cat([loss_sum.view(1), top5.view(1), confusion]), average=False).cpu()
+    confusion = totals[2:].view(num_classes, num_classes)  # rows: true class, columns: predicted
     count = confusion.sum().item()
     per_class_total = confusion.sum(dim=1)
-    return {
+    out = {
         "val_loss": totals[0].item() / max(count, 1),
         "val_acc": confusion.diag().sum().item() / max(count, 1),
+        **({"val_top5": totals[1].item() / max(count, 1)} if num_classes >= 5 else {}),
         "val_count": int(count),
         "val_per_class_acc": (confusion.diag() / per_class_total.clamp(min=1)).tolist(),
-        "val_seconds": time.perf_counter() - start,
+        **classification_report(confusion),
     }
+    if worst_k:  # every rank joins the gather, also one without a sampler order
+        mine = [r for r in worst.cpu().tolist() if math.isfinite(r[0])]
+        merged = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (-r[0], r[1]))
+        samples = getattr(loader.dataset, "samples", None)
+        out["val_worst"] = [{"index": int(i), "path": str(samples[int(i)][0]) if samples else None,
+                             "label": int(label), "pred": int(p), "prob": p_, "loss": loss}
+                            for loss, i, p, p_, label in merged[:worst_k]]
+    out["val_seconds"] = time.perf_counter() - start
+    return out
+
+
+def classification_report(confusion):
+    """Per-class precision, recall and F1, macro-F1 and the matrix itself from a confusion
+    matrix (rows true, columns predicted); 0 where a class was never predicted or never present."""
+    confusion = confusion.double()
+    tp = confusion.diag()
+    predicted, actual = confusion.sum(dim=0), confusion.sum(dim=1)
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    both = precision + recall
+    f1 = torch.where(both > 0, 2 * precision * recall / both.clamp(min=1e-12), torch.zeros_like(tp))
+    return {"val_precision": precision.tolist(), "val_recall": recall.tolist(), "val_f1": f1.tolist(),
+            "val_macro_f1": f1.mean().item(), "val_confusion": confusion.long().tolist()}
 
 
 def compile_model(model):
@@ -230,6 +282,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     run_dir = resolve_run_dir(cfg, script_name, dist_info)
     # Rank 0 finds and reads the checkpoint and hands it to every rank: nodes need not share the run directory.
     resume_path, resume_state = ckpt.agree_resume(cfg.resume, run_dir, restarted, rank)
+    if cfg.eval_only:
+        return evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, resume_state)
     if main:
         _check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         _check_writable(run_dir)
@@ -274,6 +328,7 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     if resume_path is None:
         logger.write_config(cfg)
         logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(classes)})
+        logger.hparams(config_to_dict(cfg), ["val/acc", "val/best_acc", "val/macro_f1", "val/loss", "train/loss"])
     where = f"epoch {start_epoch + 1}" + (f" after its step {mid['epoch_step']}" if mid else "")
     logger.info(f"run directory: {run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
                                                  f"{global_step})" if resume_path else ""))
@@ -305,22 +360,27 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                                     log_every=cfg.train.log_every, global_step=global_step,
                                     world_size=world, logger=logger, resume=mid, stop=stop,
                                     save_every=cfg.train.save_every_steps, save_step=save_step,
-                                    epochs=cfg.train.epochs)
+                                    epochs=cfg.train.epochs,
+                                    first_batch=(lambda im, lb, s=global_step: sample_picture(
+                                        logger, im, lb, classes, train_loader.dataset, s)) if epoch == 0 else None)
             mid = None
             global_step = train.pop("global_step")
             if train.pop("stopped", False):
                 _stopped(stop, f"in epoch {epoch + 1}", global_step, run_dir, dist_info)
             val = evaluate(step_model, val_loader, device, len(classes), amp_dtype=amp_dtype,
-                           channels_last=channels_last, logger=logger)
+                           channels_last=channels_last, logger=logger, worst_k=cfg.train.worst_images)
+            worst = val.pop("val_worst", None)
             # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
             val["bad_images"] = sum(ds.sync_bad_images() for ds in (train_loader.dataset, val_loader.dataset)
                                     if hasattr(ds, "sync_bad_images"))
             is_best = val["val_acc"] > best_acc
             best_acc = max(best_acc, val["val_acc"])
             saver.save(epoch + 1, global_step, best_acc, is_best=is_best)
+            figure_seconds = epoch_pictures(logger, val, worst, classes, val_loader.dataset, global_step)
             metrics = {"epoch": epoch + 1, "step": global_step, **train, **val, "lr": lr,
-                       "best_acc": best_acc, "epoch_seconds": time.perf_counter() - epoch_start}
-            logger.epoch(metrics)
+                       "best_acc": best_acc, "figure_seconds": figure_seconds,
+                       "epoch_seconds": time.perf_counter() - epoch_start}
+            logger.epoch(metrics, classes)
             logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
                         f"val_loss {val['val_loss']:.4f}  val_acc {val['val_acc']:.4f}  "
                         f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
@@ -331,3 +391,88 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         stop.uninstall()
         logger.close()
     return {"best_acc": best_acc, "run_dir": str(run_dir), "last": metrics}
+
+
+def normalization(dataset):
+    """(mean, std) of the dataset transform's Normalize step, or (None, None): to undo it in pictures."""
+    for t in getattr(getattr(dataset, "transform", None), "transforms", []):
+        if hasattr(t, "mean") and hasattr(t, "std"):
+            return tuple(t.mean), tuple(t.std)
+    return None, None
+
+
+def sample_picture(logger, images, labels, classes, dataset, step):
+    """The first training batch as the model sees it (normalization undone), rank 0 only."""
+    if not logger.enabled:
+        return
+    from utils import figures
+    n = min(16, len(images))
+    shown = figures.denormalize(images[:n], *normalization(dataset))
+    names = [classes[i] for i in labels[:n].tolist()]
+    logger.image("train/augmented_samples",
+                 figures.image_grid(shown, names, title="augmented training samples", cols=8), step)
+
+
+def worst_picture(worst, classes, dataset):
+    """The worst mistakes as an image grid: each with true class, predicted class and probability."""
+    from utils import figures
+    mean, std = normalization(dataset)
+    shown = figures.denormalize(torch.stack([dataset[w["index"]][0] for w in worst]), mean, std) if worst else []
+    titles = [f"{classes[w['label']]} -> {classes[w['pred']]}\n{w['prob']:.0%}" for w in worst]
+    return figures.image_grid(shown, titles, colours=["firebrick"] * len(worst),
+                              title="worst mistakes (true -> predicted, probability)", cols=min(8, max(len(worst), 1)))
+
+
+def epoch_pictures(logger, val, worst, classes, dataset, step):
+    """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took."""
+    if not logger.enabled:
+        return 0.0
+    from utils import figures
+    start = time.perf_counter()
+    logger.image("val/confusion_matrix", figures.confusion_matrix_image(val["val_confusion"], classes), step)
+    if worst is not None:  # train.worst_images > 0; also when there was no mistake
+        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), step)
+    return round(time.perf_counter() - start, 4)
+
+
+def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state=None):
+    """--eval-only: the checkpoint's (or --weights') model on the validation split, or on test/
+    when the data root has one; rank 0 writes eval.json and the two pictures into `run_dir`."""
+    device, main = dist_info.device, dist_info.rank == 0
+    if resume_path is None and not cfg.model.weights:
+        raise UserError("--eval-only needs a model: --resume CHECKPOINT or --weights FILE", every_rank=True)
+    source = str(resume_path or cfg.model.weights)
+    if resume_path is not None:
+        state = state or ckpt.load_checkpoint(resume_path, map_location="cpu")
+        ckpt.check_compatible(state, model, classes, model_name=cfg.model.name)
+        ckpt.unwrap(model).load_state_dict(state["model"])
+        del state
+    if main:
+        _check_writable(run_dir)
+    amp_dtype = resolve_amp(cfg.train.amp, device)
+    val = evaluate(model, val_loader, device, len(classes), amp_dtype=amp_dtype,
+                   channels_last=cfg.model.channels_last and device.type == "cuda",
+                   worst_k=cfg.train.worst_images)
+    worst = val.pop("val_worst", [])
+    split = getattr(val_loader.dataset, "split", "val")
+    result = {"checkpoint": source, "split": split, "classes": list(classes), "count": val["val_count"],
+              "accuracy": val["val_acc"], **({"top5": val["val_top5"]} if "val_top5" in val else {}),
+              "loss": val["val_loss"], "macro_f1": val["val_macro_f1"],
+              "per_class": {c: {"precision": p, "recall": r, "f1": f, "support": int(sum(row))}
+                            for c, p, r, f, row in zip(classes, val["val_precision"], val["val_recall"],
+                                                       val["val_f1"], val["val_confusion"])},
+              "confusion": {"classes": list(classes), "rows_true_columns_predicted": val["val_confusion"]},
+              "worst": [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]} for w in worst]}
+    if main:
+        from utils import figures
+        figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
+                         run_dir / "confusion_matrix.png")
+        if cfg.train.worst_images:
+            figures.save_png(worst_picture(worst, classes, val_loader.dataset), run_dir / "worst_mistakes.png")
+        tmp = run_dir / "eval.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.replace(run_dir / "eval.json")
+        top5 = f"  top-5 {result['top5']:.4f}" if "top5" in result else ""
+        print(f"eval-only: {source} on {split}: {result['count']} images  accuracy {result['accuracy']:.4f}"
+              f"{top5}  macro-F1 {result['macro_f1']:.4f}  -> {run_dir / 'eval.json'}", flush=True)
+    return {"best_acc": val["val_acc"], "run_dir": str(run_dir), "last": result}

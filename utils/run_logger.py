@@ -2,8 +2,14 @@
 
 Other ranks get a RunLogger with enabled=False whose methods do nothing, so
 call sites need no rank checks (and never wrap a collective in one).
+
+TensorBoard has one x-axis, the global optimizer step: step-level points at their
+step, an epoch's points (every number of its metrics.jsonl line) and pictures at
+the step where the epoch ends. Pictures (utils/figures.py): the confusion matrix
+and the worst mistakes every epoch, augmented training samples once.
 """
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -26,10 +32,11 @@ class RunLogger:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._truncate_metrics(start_epoch)
         from torch.utils.tensorboard import SummaryWriter
-        # purge_step hides points a killed run logged past its last checkpoint (even one killed
-        # before its first checkpoint: step 0), so a resumed curve does not double back on itself.
+        # purge_step hides points a killed or abandoned run logged past the checkpoint's step
+        # (all of them for one killed before its first checkpoint), so a resumed curve does not
+        # double back on itself; the checkpoint's own step keeps its points (its epoch's end).
         self.writer = SummaryWriter(log_dir=str(self.run_dir),
-                                    purge_step=start_step if resuming else (start_step or None))
+                                    purge_step=(start_step + 1 if start_step else 0) if resuming else None)
 
     def _truncate_metrics(self, start_epoch):
         """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch)."""
@@ -59,19 +66,41 @@ class RunLogger:
         if self.enabled:
             self.writer.add_scalar(tag, value, step)
 
-    def epoch(self, metrics):
-        """One line of metrics.jsonl and the epoch's TensorBoard points."""
+    def epoch(self, metrics, classes=()):
+        """One line of metrics.jsonl; each of its numbers (per-class lists by class name) becomes a
+        TensorBoard scalar at the epoch's last global step ("step")."""
         if not self.enabled:
             return
         metrics = {"time": round(time.time(), 3), **metrics}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        step = metrics["epoch"]
-        for key, tag in (("train_loss", "train/loss"), ("val_loss", "val/loss"), ("val_acc", "val/acc"),
-                         ("lr", "train/lr"), ("img_per_s", "train/img_per_s")):
-            if key in metrics:
-                self.writer.add_scalar(tag, metrics[key], step)
+        step = metrics["step"]
+        for key, value in metrics.items():
+            if key in ("time", "step"):
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(scalar_tag(key), value, step)
+            elif isinstance(value, list) and len(value) == len(classes) and all(
+                    isinstance(v, (int, float)) for v in value):  # per class; the confusion matrix is a figure
+                for name, v in zip(classes, value):
+                    self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, step)
         self.writer.flush()
+
+    def image(self, tag, image, step):
+        """An RGB uint8 (H, W, 3) picture from utils/figures.py."""
+        if self.enabled:
+            self.writer.add_image(tag, image, step, dataformats="HWC")
+
+    def hparams(self, config, metric_tags):
+        """The flattened config in TensorBoard's HParams tab, beside the last value of `metric_tags`."""
+        if not self.enabled:
+            return
+        from torch.utils.tensorboard.summary import hparams
+        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in _flatten(config).items()}
+        # Into this run's own event file (add_hparams would open a sub-run beside it).
+        writer = self.writer._get_file_writer()
+        for summary in hparams(flat, {tag: math.nan for tag in metric_tags}):
+            writer.add_summary(summary)
 
     def progress(self, iterable, total, desc):
         """A tqdm bar on a terminal; elsewhere the iterable itself (no bar, so no carriage returns in a file)."""
@@ -89,9 +118,37 @@ class RunLogger:
             print(f"{label}  step {step}/{total}  loss {loss:.4f}  {img_s:.0f} img/s  lr {lr:.2e}  "
                   f"ETA {_clock(eta_s)}", flush=True)
 
+    def flush(self):
+        if self.enabled:
+            self.writer.flush()
+
     def close(self):
         if self.writer is not None:
             self.writer.close()
+
+
+# metrics.jsonl key -> TensorBoard tag: "val_acc" -> "val/acc"; the rest by name.
+_TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s", "best_acc": "val/best_acc",
+         "bad_images": "data/bad_images"}
+
+
+def scalar_tag(key):
+    if key in _TAGS:
+        return _TAGS[key]
+    for prefix in ("train_", "val_"):
+        if key.startswith(prefix):
+            return prefix[:-1] + "/" + key[len(prefix):]
+    return f"epoch/{key}"
+
+
+def _flatten(node, prefix=""):
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = "null" if v is None else v
+    return out
 
 
 class _NoBar:

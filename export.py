@@ -1,0 +1,99 @@
+"""Export a trained model to TorchScript or ONNX, checked against PyTorch, with a JSON sidecar.
+
+    python export.py runs/demo --format onnx                   # -> runs/demo/checkpoints/best.onnx (+ .json)
+    python export.py runs/demo/checkpoints/last.pt --format torchscript --out model.ts
+    python -c "import onnxruntime"                             # the ONNX check runs the file in onnxruntime
+
+The batch dimension is dynamic. The sidecar (<out>.json) holds what a deployment
+needs around the network: class names, input size, resize, mean and std. Before
+the file is put in place its outputs are compared with PyTorch's on a batch of
+another size than the one exported with; the max abs diff is printed, and over
+1e-4 nothing is written.
+"""
+import inspect
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from data import IMAGENET_MEAN, IMAGENET_STD
+from model import load_trained
+from utils.cli import ArgumentParser, cli_entry
+from utils.errors import RUNTIME_EXIT, UserError
+
+FORMATS = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
+TOLERANCE = 1e-4
+
+
+def export_torchscript(model, example, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit's deprecation notices on newer torch
+        torch.jit.trace(model, example).save(str(path))
+        loaded = torch.jit.load(str(path))
+    return lambda x: loaded(x)
+
+
+def export_onnx(model, example, path):
+    try:
+        import onnxruntime
+    except ImportError:
+        raise UserError("--format onnx checks the file with onnxruntime: pip install onnxruntime") from None
+    kwargs = dict(input_names=["images"], output_names=["logits"], opset_version=17,
+                  dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}})
+    # The TorchScript-based exporter: it needs only the onnx package on torch 2.4 to 2.14; the
+    # newer dynamo exporter (default since 2.9) would also need onnxscript.
+    if "dynamo" in inspect.signature(torch.onnx.export).parameters:
+        kwargs["dynamo"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), str(path), **kwargs)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return lambda x: torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+
+
+@cli_entry
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source", help="run directory (its checkpoints/best.pt) or checkpoint file")
+    ap.add_argument("--format", required=True, help="torchscript or onnx")
+    ap.add_argument("--out", help="output file (default: beside the checkpoint, .torchscript.pt or .onnx)")
+    args = ap.parse_args(argv)
+    if args.format not in FORMATS:
+        raise UserError(f"unknown --format '{args.format}'; choose torchscript or onnx")
+    model, classes, config, ckpt_path = load_trained(args.source)
+    out = Path(args.out) if args.out else ckpt_path.with_suffix(FORMATS[args.format])
+    if not out.parent.is_dir():
+        raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
+    data_cfg = config.get("data") or {}
+    size = int(data_cfg.get("img_size", 224))
+
+    gen = torch.Generator().manual_seed(0)
+    example = torch.randn(2, 3, size, size, generator=gen)
+    check = torch.randn(3, 3, size, size, generator=gen)  # another batch size: the dynamic axis works
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        run = (export_torchscript if args.format == "torchscript" else export_onnx)(model, example, tmp)
+        with torch.inference_mode():
+            diff = (run(check).float() - model(check)).abs().max().item()
+        if not diff <= TOLERANCE:
+            raise UserError(f"the exported model differs from PyTorch by {diff:.3g} (> {TOLERANCE}); "
+                            "nothing written", exit_code=RUNTIME_EXIT)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    sidecar = out.with_name(out.name + ".json")
+    sidecar.write_text(json.dumps({
+        "format": args.format, "checkpoint": str(ckpt_path), "model": config.get("model", {}).get("name"),
+        "classes": classes, "input": "images", "output": "logits (softmax gives probabilities)",
+        "input_size": [3, size, size], "resize": int(data_cfg.get("val_resize", 256)),
+        "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
+        "preprocess": "RGB, resize shorter side to `resize`, center-crop `input_size`, /255, (x - mean) / std",
+    }, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{args.format}: {out} (+ {sidecar.name}); max abs diff vs PyTorch on a batch of 3: {diff:.2e}")
+    return diff
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,157 @@
+"""Classify images with a trained model: top-k classes and probabilities per image.
+
+    python predict.py runs/demo data/demo_flowers/daisy                    # a run directory = its best.pt
+    python predict.py runs/demo/checkpoints/last.pt photo.jpg 'more/**/*.png' --topk 3
+    python predict.py runs/demo folder/ --out preds.json --batch-size 128 --device cuda
+
+PATH is an image, a folder (searched recursively) or a glob. The model, the
+validation transform and the class names come from the checkpoint itself; EMA
+weights are used when it holds them. A table shows the first images; all go to
+--out (.csv or .json; default: predictions.csv in the run directory). An
+unreadable file is warned about, listed and skipped; the exit is non-zero only
+when no image can be read.
+"""
+import csv
+import glob
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data import BadImage, build_transforms, is_image_file, load_rgb
+from model import load_trained
+from utils.cli import ArgumentParser, cli_entry
+from utils.distributed_utils import resolve_device
+from utils.errors import RUNTIME_EXIT, UserError
+
+SHOWN = 10  # images in the printed table; the rest go to the file only
+
+
+def find_images(specs):
+    """Image paths for each PATH argument, in order, each once; a PATH that yields none is an error."""
+    found, seen = [], set()
+    for spec in specs:
+        path = Path(spec)
+        if path.is_dir():
+            hits = [str(Path(d) / f) for d, dirs, files in sorted(os.walk(path, followlinks=True))
+                    for f in sorted(files) if is_image_file(f)]
+            if not hits:
+                raise UserError(f"folder '{spec}' holds no images (.jpg/.jpeg/.png/...)")
+        elif path.is_file():
+            hits = [str(path)]  # named explicitly: decoding decides
+        else:
+            hits = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p) and is_image_file(p))
+            if not hits:
+                raise UserError(f"'{spec}' is no file or folder, and as a glob it matches no image")
+        for p in hits:
+            if p not in seen:
+                seen.add(p)
+                found.append(p)
+    return found
+
+
+class ImageFiles(Dataset):
+    """path -> (tensor, index, error text); an unreadable file gives a blank tensor and its error."""
+
+    def __init__(self, paths, transform, size, max_pixels=0):
+        self.paths, self.transform, self.size, self.max_pixels = paths, transform, size, max_pixels
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        try:
+            return self.transform(load_rgb(self.paths[i], self.max_pixels)), i, ""
+        except BadImage as e:
+            return torch.zeros(3, self.size, self.size), i, str(e)
+
+
+def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0):
+    """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable)."""
+    loader = DataLoader(ImageFiles(paths, transform, size, max_pixels), batch_size=batch_size, num_workers=workers,
+                        pin_memory=device.type == "cuda")
+    rows, bad = [], []
+    with torch.inference_mode():
+        for images, index, errors in loader:
+            probs = model(images.to(device, non_blocking=True)).float().softmax(dim=1)
+            top = probs.topk(topk, dim=1)
+            for i, err, p, c in zip(index.tolist(), errors, top.values.tolist(), top.indices.tolist()):
+                if err:
+                    print(f"warning: skipping unreadable image: {err}", file=sys.stderr, flush=True)
+                    bad.append((paths[i], err))
+                else:
+                    rows.append((paths[i], list(zip(c, p))))
+    return rows, bad
+
+
+def write_predictions(rows, classes, out, topk):
+    """CSV or JSON by suffix, via a temporary file: an existing file is replaced only when complete."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    if out.suffix == ".json":
+        tmp.write_text(json.dumps([{"path": p, "top": [{"class": classes[c], "prob": round(pr, 6)} for c, pr in top]}
+                                   for p, top in rows], indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    else:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["path"] + [x for k in range(1, topk + 1) for x in (f"class{k}", f"prob{k}")])
+            for p, top in rows:
+                w.writerow([p] + [x for c, pr in top for x in (classes[c], f"{pr:.6f}")])
+    tmp.replace(out)
+
+
+@cli_entry
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source", help="run directory (its checkpoints/best.pt) or checkpoint file")
+    ap.add_argument("paths", nargs="+", metavar="PATH", help="image, folder (recursive) or glob")
+    ap.add_argument("--topk", type=int, default=5, help="classes per image (default 5)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    ap.add_argument("--workers", type=int, default=-1, help="decoding processes; -1 = min(4, CPU cores)")
+    ap.add_argument("--out", help="FILE.csv or FILE.json (default: predictions.csv in the run directory)")
+    args = ap.parse_args(argv)
+    # Everything a user can get wrong is checked before the model is loaded or an image decoded.
+    if args.out and Path(args.out).suffix.lower() not in (".csv", ".json"):
+        raise UserError(f"--out '{args.out}' must end in .csv or .json")
+    if args.topk < 1 or args.batch_size < 1:
+        raise UserError("--topk and --batch-size must be at least 1")
+    device = resolve_device(args.device)
+    model, classes, config, ckpt_path = load_trained(args.source)
+    paths = find_images(args.paths)
+    run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
+    out = Path(args.out) if args.out else run_dir / "predictions.csv"
+    if not out.parent.is_dir():
+        raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
+    data_cfg = config.get("data") or {}
+    size, resize = int(data_cfg.get("img_size", 224)), int(data_cfg.get("val_resize", 256))
+    transform = build_transforms(size, resize)[1]
+    topk = min(args.topk, len(classes))
+    workers = min(4, os.cpu_count() or 1) if args.workers < 0 else args.workers
+    workers = min(workers, max(0, (len(paths) - 1) // args.batch_size))  # one batch: no worker start-up
+
+    start = time.perf_counter()
+    rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
+                        int(data_cfg.get("max_image_pixels") or 0))
+    seconds = time.perf_counter() - start
+    if not rows:
+        raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", RUNTIME_EXIT)
+
+    width = min(max(len(p) for p, _ in rows[:SHOWN]), 60)
+    for p, top in rows[:SHOWN]:
+        shown = p if len(p) <= width else "..." + p[-(width - 3):]
+        print(f"{shown:<{width}}  " + "  ".join(f"{classes[c]} {pr:.3f}" for c, pr in top))
+    if len(rows) > SHOWN:
+        print(f"... and {len(rows) - SHOWN} more")
+    write_predictions(rows, classes, out, topk)
+    print(f"{len(rows)} image(s) in {seconds:.1f}s ({len(paths) / max(seconds, 1e-9):.0f} img/s on {device})"
+          + (f", {len(bad)} unreadable skipped: " + ", ".join(p for p, _ in bad) if bad else "")
+          + f"; top-{topk} written to {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

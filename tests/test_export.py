@@ -1,0 +1,53 @@
+"""export.py: TorchScript and ONNX files that compute what PyTorch computes, with their sidecar.
+
+    python -m pytest tests/test_export.py -q
+
+On the shared finished run (conftest.trained_run). The outputs are compared here
+again, on a batch of a size the export never saw (the batch axis is dynamic).
+"""
+import json
+
+import pytest
+import torch
+
+import export
+from conftest import run_entry
+from model import load_trained
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+def test_exported_model_matches_pytorch(trained_run, tmp_path, fmt):
+    out = tmp_path / f"model.{fmt}"
+    proc = run_entry("export.py", trained_run["run_dir"], "--format", fmt, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max abs diff" in proc.stdout
+    side = json.loads((tmp_path / f"model.{fmt}.json").read_text())
+    assert side["classes"] == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    assert side["input_size"] == [3, 32, 32] and len(side["mean"]) == len(side["std"]) == 3
+    model, *_ = load_trained(trained_run["run_dir"])
+    x = torch.randn(5, 3, 32, 32)
+    with torch.no_grad():
+        want = model(x)
+    if fmt == "torchscript":
+        got = torch.jit.load(str(out))(x)
+    else:
+        import onnxruntime
+        session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+    assert got.shape == (5, 5) and (got - want).abs().max().item() <= 1e-4
+
+
+def test_bad_inputs_are_one_error_line_and_write_nothing(trained_run, tmp_path, capsys):
+    pickled = tmp_path / "evil.pt"
+    torch.save({"model": {}, "optimizer": {}, "epoch": 0, "code": print}, pickled)
+    out = tmp_path / "m.onnx"
+    for argv, text in (([tmp_path / "nope.pt", "--format", "onnx"], "does not exist"),
+                       ([pickled, "--format", "onnx"], "cannot load checkpoint"),
+                       ([trained_run["run_dir"], "--format", "tflite"], "unknown --format 'tflite'")):
+        with pytest.raises(SystemExit) as e:
+            export.main([str(a) for a in argv] + ["--out", str(out)])
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+        assert e.value.code == 2 and len(lines) == 1 and text in lines[0], lines
+        assert list(tmp_path.iterdir()) == [pickled]

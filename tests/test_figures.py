@@ -1,0 +1,98 @@
+"""utils/figures.py and what a run puts in TensorBoard, read back with TensorBoard's own EventAccumulator.
+
+    python -m pytest tests/test_figures.py -q
+
+Uses the shared 3-epoch train.py run (conftest.trained_run): every epoch has its
+confusion matrix and worst mistakes, the first its augmented samples; every scalar
+sits on the global-step axis; the HParams tab has the config; and a run resumed
+from an older epoch_NNN.pt leaves no point of the abandoned branch past its step.
+"""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_entry
+from utils import figures
+
+pytestmark = pytest.mark.slow
+
+
+def accumulate(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_figures_draw_rgb_pictures():
+    cm = figures.confusion_matrix_image([[3, 1], [0, 4]], ["cat", "玫瑰"])
+    assert cm.dtype == np.uint8 and cm.ndim == 3 and cm.shape[2] == 3 and cm.std() > 0
+    images = figures.denormalize(torch.zeros(3, 3, 8, 8), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    assert torch.allclose(images, torch.full_like(images, 0.5))  # normalization undone
+    grid = figures.image_grid(images, ["a", "b", "c"], title="t")
+    assert grid.shape[2] == 3
+
+
+def test_every_epoch_has_its_pictures_and_the_first_its_samples(trained_run):
+    acc = accumulate(trained_run["run_dir"])
+    ends = [row["step"] for row in metrics(trained_run["run_dir"])]
+    assert len(ends) == 3
+    assert [e.step for e in acc.Images("val/confusion_matrix")] == ends
+    assert [e.step for e in acc.Images("val/worst_mistakes")] == ends
+    assert [e.step for e in acc.Images("train/augmented_samples")] == [0]
+
+
+def test_every_number_of_metrics_jsonl_is_a_scalar_on_the_global_step_axis(trained_run):
+    run_dir = trained_run["run_dir"]
+    acc = accumulate(run_dir)
+    rows = metrics(run_dir)
+    tags = set(acc.Tags()["scalars"])
+    ends = [row["step"] for row in rows]
+    for key, tag in (("val_acc", "val/acc"), ("train_loss", "train/loss"), ("val_macro_f1", "val/macro_f1"),
+                     ("val_top5", "val/top5"), ("lr", "train/epoch_lr"), ("best_acc", "val/best_acc")):
+        assert [p.step for p in acc.Scalars(tag)] == ends, tag
+        assert [p.value for p in acc.Scalars(tag)] == pytest.approx([r[key] for r in rows], rel=1e-5), tag
+    assert {f"val/f1/{c}" for c in ("daisy", "tulips")} <= tags and "val/precision/roses" in tags
+    numeric = {k for k, v in rows[0].items() if isinstance(v, (int, float)) and k not in ("time", "step")}
+    assert len(numeric) >= 12 and all(acc.Scalars(t) for t in tags)
+    # The lr once per log window (train.log_every=2 steps): the schedule's shape, on the same axis.
+    assert [p.step for p in acc.Scalars("train/lr")] == list(range(2, ends[-1] + 1, 2))
+    assert max(p.step for t in tags for p in acc.Scalars(t)) == ends[-1]
+    # metrics.jsonl holds the confusion matrix and per-class precision, recall and F1.
+    assert np.array(rows[-1]["val_confusion"]).sum() == rows[-1]["val_count"] == 5
+    assert len(rows[-1]["val_f1"]) == len(rows[-1]["val_precision"]) == len(rows[-1]["val_recall"]) == 5
+
+
+def test_hparams_tab_holds_the_config(trained_run):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    acc = accumulate(trained_run["run_dir"])
+    content = acc.SummaryMetadata("_hparams_/session_start_info").plugin_data.content
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert info.hparams["model.name"].string_value == "resnet18"
+    assert info.hparams["train.epochs"].number_value == 3
+
+
+def test_resume_from_an_older_epoch_leaves_no_point_of_the_abandoned_branch(trained_run, tmp_path):
+    """Resumed from epoch_001.pt and run to epoch 2 (the checkpoint said 3): the first run's
+    points of epochs 2 and 3 are gone, epoch 1's stay, and no step appears twice."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run["run_dir"], run_dir)
+    first = metrics(run_dir)
+    proc = run_entry("train.py", *trained_run["base"], "--output-dir", run_dir, "train.epochs=2",
+                     "--resume", run_dir / "checkpoints" / "epoch_001.pt")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    acc = accumulate(run_dir)
+    resumed_at, end = first[0]["step"], first[1]["step"]
+    for tag in acc.Tags()["scalars"]:
+        steps = [p.step for p in acc.Scalars(tag)]
+        assert steps == sorted(set(steps)), f"{tag}: a step twice or out of order: {steps}"
+        assert max(steps) <= end, f"{tag}: a point of the abandoned epoch 3: {steps}"
+    assert [e.step for e in acc.Images("val/confusion_matrix")] == [resumed_at, end]
+    assert [e.step for e in acc.Scalars("val/acc")] == [resumed_at, end]

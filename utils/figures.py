@@ -1,0 +1,90 @@
+"""The run's pictures, drawn with matplotlib: confusion matrix, image grids (samples, worst mistakes).
+
+Each function returns an RGB uint8 array (H, W, 3); RunLogger hands it to TensorBoard
+(add_image) and eval-only runs save it as a PNG (save_png). Only rank 0 calls these.
+
+Matplotlib's object API (Figure + the Agg canvas), not pyplot: no global figure state,
+no display needed, nothing to close.
+"""
+import warnings
+
+import numpy as np
+import torch
+
+
+def _render(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a class name in a script the font lacks: drawn as boxes, no warning per glyph
+        canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def _figure(width, height):
+    from matplotlib.figure import Figure
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def confusion_matrix_image(confusion, classes):
+    """Rows: true class (with its accuracy), columns: predicted; colour = share of the row."""
+    cm = np.asarray(confusion, dtype=np.float64)
+    n = len(classes)
+    rows = cm.sum(axis=1, keepdims=True)
+    share = cm / np.maximum(rows, 1)
+    side = min(3 + 0.45 * n, 16)
+    fig = _figure(side + 1, side)
+    ax = fig.add_subplot()
+    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(im, ax=ax, fraction=0.046, label="share of the true class")
+    acc = np.diag(share)
+    ax.set_xticks(range(n), [str(c) for c in classes], rotation=45 if n > 3 else 0, ha="right" if n > 3 else "center")
+    ax.set_yticks(range(n), [f"{c} ({a:.0%})" for c, a in zip(classes, acc)])
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true class (accuracy)")
+    total = cm.sum()
+    ax.set_title(f"confusion matrix: {int(total)} images, accuracy {np.trace(cm) / max(total, 1):.1%}")
+    if n <= 25:  # counts stay legible up to ~25 classes
+        for i in range(n):
+            for j in range(n):
+                if cm[i, j]:
+                    ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=8,
+                            color="white" if share[i, j] > 0.5 else "black")
+    return _render(fig)
+
+
+def denormalize(images, mean=None, std=None):
+    """(N, 3, H, W) normalized tensors -> the same in [0, 1]; per-image min-max without mean/std."""
+    images = images.detach().float().cpu()
+    if mean is not None and std is not None:
+        images = images * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
+    else:
+        low = images.amin(dim=(1, 2, 3), keepdim=True)
+        images = (images - low) / (images.amax(dim=(1, 2, 3), keepdim=True) - low).clamp(min=1e-8)
+    return images.clamp(0, 1)
+
+
+def image_grid(images, titles, colours=None, title=None, cols=None):
+    """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`)."""
+    n = len(images)
+    if n == 0:  # e.g. no misclassified image this epoch: say so instead of leaving a gap in the series
+        fig = _figure(4, 1)
+        fig.text(0.5, 0.5, f"{title or ''}\nnone", ha="center", va="center", fontsize=10)
+        return _render(fig)
+    cols = cols or min(n, 8)
+    rows = max(1, -(-n // cols))
+    fig = _figure(1.6 * cols, 1.75 * rows + (0.3 if title else 0))
+    if title:
+        fig.suptitle(title, fontsize=10)
+    for i in range(rows * cols):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        ax.axis("off")
+        if i < n:
+            ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
+            ax.set_title(titles[i], fontsize=7, color=(colours[i] if colours else "black"))
+    return _render(fig)
+
+
+def save_png(image, path):
+    from matplotlib.image import imsave
+    imsave(path, image, format="png")
