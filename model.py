@@ -1,23 +1,168 @@
-"""The network: a torchvision ResNet with `num_classes` outputs.
+"""The network: any torchvision classification model by name, or your own nn.Module.
 
-Swap in your own model here; the scripts only need `create_model`. Weights come
-only from local files (--weights), never from the internet.
+    model.name=resnet34              # any name of torchvision.models.list_models(module=torchvision.models)
+    model.name=my_net                # your own: add it to MODELS below
+    model.pretrained=DEFAULT         # torchvision weights, read from the local torch hub cache only
+
+The scripts call `build_model`. The classifier head is found generically
+(`find_head`): it is what gets sized to the dataset's classes, replaced after
+pretrained weights, and the only part left trainable by freeze_layers. Nothing
+is ever downloaded: weights come from local files (--weights) or the hub cache.
 """
+import difflib
+import os
+import re
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import torchvision
+from torch import nn
+from torchvision.ops.misc import FrozenBatchNorm2d
 
 from utils.checkpoint import load_checkpoint, strip_wrapper_prefixes
+from utils.config import register_check
 from utils.errors import UserError
 
+# Your own model: name -> constructor called as constructor(num_classes=N), returning an
+# nn.Module whose last Linear (or Conv2d) with N outputs is the classifier head, e.g.
+#     MODELS["tiny_cnn"] = lambda num_classes: nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(),
+#         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
+# then train with model.name=tiny_cnn. Checkpoints record the name, as for torchvision models.
+MODELS = {}
 
-def create_model(name="resnet34", num_classes=5):
-    """A randomly initialised torchvision ResNet (`weights=None`: nothing is downloaded)."""
-    builder = getattr(torchvision.models, name)
-    # zero_init_residual: each residual block starts as the identity, which lets a network
-    # trained from scratch take a large learning rate from the first steps (Goyal et al., 2017).
-    return builder(weights=None, num_classes=num_classes, zero_init_residual=True)
+# Builder keywords that only some torchvision families take, and the value wanted where they do.
+# zero_init_residual (ResNets): each residual block starts as the identity, which lets a network
+# trained from scratch take a large learning rate from its first steps (Goyal et al., 2017).
+# aux_logits (GoogLeNet, Inception v3): off, so a training step returns one tensor of logits.
+_OPTIONAL_KWARGS = {"zero_init_residual": True, "aux_logits": False}
+# Families whose position embeddings fix the input size: the builder keyword that sets it.
+_SIZE_KWARG = {"vit_": "image_size", "maxvit_": "input_size"}
+
+
+def torchvision_names():
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def _size_kwarg(name):
+    return next((kw for prefix, kw in _SIZE_KWARG.items() if name.startswith(prefix)), None)
+
+
+def _weights(name, pretrained):
+    """'DEFAULT' / 'IMAGENET1K_V1' ... -> the torchvision weights enum member, or one error line."""
+    if name in MODELS:
+        raise UserError(f"model.pretrained={pretrained}: '{name}' is your own model (model.MODELS); "
+                        "torchvision weights apply to torchvision models only; use --weights FILE")
+    enum = torchvision.models.get_model_weights(name)
+    if pretrained not in enum.__members__:
+        guess = difflib.get_close_matches(pretrained, list(enum.__members__), n=1)
+        raise UserError(f"model.pretrained={pretrained}: {name} has no such weights"
+                        + (f" (did you mean '{guess[0]}'?)" if guess else "")
+                        + f"; choose one of {', '.join(enum.__members__)}")
+    return enum[pretrained]
+
+
+def hub_file(weights):
+    """Where torchvision keeps `weights` once downloaded: <torch hub dir>/checkpoints/<url's file name>."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(weights.url).path)
+
+
+@register_check
+def check_model_config(cfg):
+    """Run by utils/config.py at config time, before any data is read."""
+    check_model(cfg.model.name, cfg.model.pretrained, cfg.data.img_size)
+
+
+def check_model(name, pretrained=None, size=None):
+    """The model name, the pretrained weights and their cached file, and the input size of
+    ViT-like models: one error line each, before anything is built."""
+    known = list(MODELS) + torchvision_names()
+    if name not in known:
+        guess = difflib.get_close_matches(name, known, n=1)
+        raise UserError(f"bad value for 'model.name': '{name}' is no torchvision classification model "
+                        "nor one of model.MODELS" + (f" (did you mean '{guess[0]}'?)" if guess else ""))
+    patch = re.search(r"_(\d+)$", name)
+    if size and _size_kwarg(name) == "image_size" and patch and size % int(patch.group(1)):
+        raise UserError(f"model.name={name} cuts images into {patch.group(1)} px patches: data.img_size={size} "
+                        f"must be a multiple of {patch.group(1)}")
+    if pretrained:
+        weights = _weights(name, pretrained)
+        fixed = weights.meta.get("min_size", (0,))[0]
+        if size and _size_kwarg(name) and size != fixed:
+            raise UserError(f"model.name={name} with pretrained weights {weights} needs data.img_size={fixed} "
+                            f"(its position embeddings are for that size), not {size}")
+        path = hub_file(weights)
+        if not path.is_file():
+            raise UserError(f"pretrained weights {weights} are not in the local torch hub cache: put "
+                            f"{path.name} in {path.parent} (nothing is downloaded here); on a machine with "
+                            f"internet fetch it with: curl -L -o {path.name} {weights.url}")
+
+
+def _call_builder(builder, kwargs):
+    """builder(**kwargs) plus each of _OPTIONAL_KWARGS the builder's model class accepts."""
+    optional = dict(_OPTIONAL_KWARGS)
+    while True:
+        try:
+            return builder(**kwargs, **optional)
+        except TypeError as e:  # raised at the class's call, before any weight is made or read
+            bad = next((k for k in optional if f"'{k}'" in str(e)), None)
+            if bad is None:
+                raise
+            del optional[bad]
+
+
+def find_head(model, num_classes=None):
+    """(qualified name, module) of the classifier: the last Linear with `num_classes` outputs,
+    else the last such Conv2d (SqueezeNet); without `num_classes`, the last Linear. None if absent."""
+    found = {nn.Linear: None, nn.Conv2d: None}
+    for name, module in model.named_modules():
+        outputs = getattr(module, "out_features", getattr(module, "out_channels", None))
+        if type(module) in found and (num_classes is None or outputs == num_classes):
+            found[type(module)] = (name, module)
+    return found[nn.Linear] or (found[nn.Conv2d] if num_classes is not None else None)
+
+
+def _replace_head(model, old_classes, num_classes):
+    """A fresh classifier for `num_classes` in place of the pretrained one (ImageNet's 1000)."""
+    name, old = find_head(model, old_classes) or (None, None)
+    if old is None:
+        raise UserError(f"cannot find the classifier head of {type(model).__name__} to resize it")
+    if isinstance(old, nn.Linear):
+        new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
+    else:
+        new = nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride, old.padding,
+                        bias=old.bias is not None)
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return name, old
+
+
+def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None, log=None):
+    """A model with `num_classes` outputs: your own from MODELS, or torchvision's `name`, randomly
+    initialised or with the pretrained weights `pretrained` from the local hub cache (head replaced).
+    `img_size` sets the input size of models that fix it (ViT, MaxViT)."""
+    check_model(name, pretrained, img_size)  # also here for callers that skip the config (tests, tools)
+    if name in MODELS:
+        return MODELS[name](num_classes=num_classes)
+    builder = torchvision.models.get_model_builder(name)
+    kwargs = {}
+    if img_size and _size_kwarg(name):
+        kwargs[_size_kwarg(name)] = img_size if _size_kwarg(name) == "image_size" else (img_size, img_size)
+    if not pretrained:
+        return _call_builder(builder, {"weights": None, "num_classes": num_classes, **kwargs})
+    weights = _weights(name, pretrained)
+    path = hub_file(weights)  # check_model saw it there: torchvision's builder will not download
+    try:  # torchvision's own builder reads the cached file (its key fixes and arguments included)
+        model = _call_builder(builder, {"weights": weights, **kwargs})
+    except (RuntimeError, ValueError, EOFError, OSError) as e:
+        raise UserError(f"cannot load pretrained weights {weights} from {path}: {str(e).splitlines()[0]}")
+    head, old = _replace_head(model, len(weights.meta.get("categories") or ()) or None, num_classes)
+    if log:
+        loaded = len(model.state_dict()) - len(list(old.state_dict()))
+        log(f"pretrained {name} {weights} from {path}: {loaded} tensors loaded; head '{head}' replaced "
+            f"({getattr(old, 'out_features', getattr(old, 'out_channels', '?'))} -> {num_classes} classes, "
+            "freshly initialised)")
+    return model
 
 
 def load_weights(model, path, map_location="cpu"):
@@ -58,22 +203,82 @@ def load_weights(model, path, map_location="cpu"):
     return "\n".join(report)
 
 
-def freeze_all_but_head(model):
-    """Train only the classifier (`fc`): the usual fine-tuning of a pretrained backbone."""
-    for name, p in model.named_parameters():
-        p.requires_grad_(name.startswith("fc."))
-    return model
+def freeze_all_but_head(model, num_classes=None):
+    """Train only the classifier head (find_head); returns its name.
+
+    Every other parameter stops training, and every BatchNorm outside the head becomes a
+    FrozenBatchNorm2d: a frozen BatchNorm left in train mode would still normalise with batch
+    statistics and update its running mean and var, so the "frozen" backbone would drift.
+    FrozenBatchNorm2d uses the stored statistics in any mode, also after model.train().
+    """
+    found = find_head(model, num_classes)
+    if found is None or not any(True for _ in found[1].parameters()):
+        raise UserError(f"model.freeze_layers: no classifier head found in {type(model).__name__} (a last Linear "
+                        f"or Conv2d with {num_classes or 'N'} outputs), so nothing would train; "
+                        "set model.freeze_layers=false")
+    head_name, head = found
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    in_head = {id(m) for m in head.modules()}
+    for name, module in list(model.named_modules()):
+        if (type(module) is nn.BatchNorm2d and id(module) not in in_head and module.affine
+                and module.track_running_stats):
+            frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
+            for key in ("weight", "bias", "running_mean", "running_var"):
+                getattr(frozen, key).copy_(getattr(module, key).detach())
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, frozen)
+    return head_name
 
 
-def build_model(model_cfg, num_classes, device, verbose=True):
-    """The config's model section -> a model on `device`, before any parallel wrapper."""
-    model = create_model(model_cfg.name, num_classes=num_classes)
+def trains_batchnorm(model):
+    """Does any BatchNorm still learn its statistics (not a FrozenBatchNorm2d)?"""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def sync_bn_wanted(model, sync_bn, verbose=True):
+    """--syncBN matters only where BatchNorm trains; with freeze_layers none does: one note, no conversion."""
+    if sync_bn and not trains_batchnorm(model):
+        if verbose:
+            print("note: --syncBN True skipped: no BatchNorm layer of this model trains "
+                  "(model.freeze_layers keeps their statistics fixed)")
+        return False
+    return sync_bn
+
+
+def _probe(model, name, img_size):
+    """One eval-mode forward at the training size: a model that cannot take it stops here in one
+    line, not mid-epoch with a traceback. Zeros, no grad: no random draw, no statistic changes."""
+    training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, 3, img_size, img_size))
+    except (RuntimeError, ValueError, AssertionError, IndexError) as e:
+        raise UserError(f"model.name={name} does not run at data.img_size={img_size}: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+    finally:
+        model.train(training)
+
+
+def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
+    """The config's model section -> a model on `device`, before any parallel wrapper.
+    `img_size` (data.img_size): the input size of ViT-like models, and of the probe forward."""
+    model = create_model(model_cfg.name, num_classes=num_classes, img_size=img_size,
+                         pretrained=model_cfg.pretrained, log=print if verbose else None)
     if model_cfg.weights:
         report = load_weights(model, model_cfg.weights)
         if verbose:
             print(report)
+    if img_size:
+        _probe(model, model_cfg.name, img_size)
     if model_cfg.freeze_layers:
-        freeze_all_but_head(model)
+        head = freeze_all_but_head(model, num_classes)
+        if verbose:
+            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            print(f"freeze_layers: only the head '{head}' trains ({trained} parameters); "
+                  "BatchNorm statistics are frozen")
     model.to(device)
     if model_cfg.channels_last and device.type == "cuda":
         model.to(memory_format=torch.channels_last)
@@ -105,7 +310,7 @@ def load_trained(source):
     name = (config.get("model") or {}).get("name")
     if not name or not classes:
         raise UserError(f"checkpoint '{path}' holds no model name or class list; was it written by train*.py?")
-    model = create_model(name, num_classes=len(classes))
+    model = create_model(name, num_classes=len(classes), img_size=(config.get("data") or {}).get("img_size"))
     ema = state.get("ema")
     weights = ema if isinstance(ema, dict) and ema else state["model"]
     try:

@@ -40,7 +40,7 @@ def main(argv=None):
     val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
 
     # -- model: no wrapper --
-    model = build_model(cfg.model, len(classes), device)
+    model = build_model(cfg.model, len(classes), device, img_size=cfg.data.img_size)
 
     return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="train")
 

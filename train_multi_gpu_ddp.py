@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
-from model import build_model
+from model import build_model, sync_bn_wanted
 from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import convert_sync_bn, ddp_kwargs, init_distributed_mode
@@ -42,8 +42,8 @@ def main(argv=None):
     val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
 
     # -- model: SyncBN (CUDA only), then one DDP replica per process --
-    model = build_model(cfg.model, len(classes), device, verbose=rank == 0)
-    model = convert_sync_bn(model, cfg.model.sync_bn, device, verbose=rank == 0)
+    model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size)
+    model = convert_sync_bn(model, sync_bn_wanted(model, cfg.model.sync_bn, rank == 0), device, verbose=rank == 0)
     # cfg.ddp less its backend: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs(cfg.ddp))
 

@@ -50,7 +50,7 @@ def main(argv=None):
     val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
 
     # -- model: replicated onto every GPU at each forward; on the CPU no wrapper (it would grab the GPUs) --
-    model = build_model(cfg.model, len(classes), device)
+    model = build_model(cfg.model, len(classes), device, img_size=cfg.data.img_size)
     if gpu_ids:
         # Each replica runs in a thread of its own, which does not inherit autocast's dtype.
         model = nn.DataParallel(AutocastForward(model, resolve_amp(cfg.train.amp, device)), device_ids=gpu_ids)

@@ -1,14 +1,20 @@
-"""model.py: the torchvision ResNet, loading a local --weights file, and --freeze-layers
-through the real train.py.
+"""model.py: torchvision models by name (one of each family at 32 px) and your own in MODELS,
+pretrained weights from the local hub cache only, loading a local --weights file, and
+--freeze-layers (the head alone trains, BatchNorm statistics frozen) through the real train.py
+and under DDP.
 
     python -m pytest tests/test_model.py -q
 """
+import json
+import math
+
 import pytest
 import torch
 import torchvision
 
 from conftest import FAST_ARGS, make_image_folder, run_entry
-from model import build_model, create_model, freeze_all_but_head, load_weights
+import model as model_module
+from model import build_model, create_model, freeze_all_but_head, load_weights, sync_bn_wanted
 from utils.config import load_config
 from utils.errors import UserError
 
@@ -74,9 +80,142 @@ def test_missing_weights_file_is_a_user_error(tmp_path):
 
 
 def test_freeze_all_but_head_leaves_only_fc_trainable():
-    model = freeze_all_but_head(create_model("resnet18", num_classes=5))
+    model = create_model("resnet18", num_classes=5)
+    assert freeze_all_but_head(model, 5) == "fc"
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     assert trainable == ["fc.bias", "fc.weight"]
+
+
+# --------------------------------------------------------------------------- torchvision families
+
+# (name, head found by find_head): one of each family, the smallest variant, at 32 px.
+FAMILIES = [("resnet18", "fc"), ("mobilenet_v3_small", "classifier.3"), ("efficientnet_b0", "classifier.1"),
+            ("regnet_y_400mf", "fc"), ("vit_b_32", "heads.head"), ("squeezenet1_1", "classifier.1")]
+
+
+def batchnorm_buffers(model):
+    return {n: b.clone() for n, b in model.named_buffers() if "running_" in n or "num_batches" in n}
+
+
+@pytest.mark.parametrize("name, head", FAMILIES)
+def test_family_trains_and_freezes_to_its_head(name, head):
+    """Forward + backward at 32 px, batch 2; then freeze_layers: one SGD step in train mode changes
+    the head and nothing else, no parameter and no BatchNorm statistic of the backbone."""
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=3, img_size=32).train()
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters()), "every tensor trains unfrozen"
+    if name == "resnet18":  # zero_init_residual reaches the builders that take it
+        assert not model.layer1[0].bn2.weight.any()
+
+    model.zero_grad(set_to_none=True)
+    assert freeze_all_but_head(model, 3) == head
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats = batchnorm_buffers(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        model.train()  # the loop calls this every epoch: frozen statistics must stay frozen
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, params[n])}
+    assert changed == {f"{head}.weight", f"{head}.bias"}
+    assert all(torch.equal(b, stats[n]) for n, b in batchnorm_buffers(model).items())
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def test_unknown_model_name_gets_one_line_with_did_you_mean():
+    with pytest.raises(UserError, match=r"'resnet19' is no torchvision.*did you mean 'resnet18'"):
+        load_config(["model.name=resnet19"])  # config time: model.py's check is registered
+    assert load_config(["model.name=convnext_tiny"]).model.name == "convnext_tiny"
+
+
+@pytest.mark.filterwarnings("ignore:The default weight initialization of inception_v3")
+def test_vit_takes_data_img_size_or_refuses_it_in_one_line():
+    assert create_model("vit_b_32", num_classes=3, img_size=64).image_size == 64
+    with pytest.raises(UserError, match="vit_b_32 cuts images into 32 px patches: data.img_size=40"):
+        load_config(["model.name=vit_b_32", "data.img_size=40", "data.val_resize=46"])
+    with pytest.raises(UserError, match=r"inception_v3 does not run at data.img_size=32"):
+        build_model(load_config(["model.name=inception_v3"]).model, 3, torch.device("cpu"), img_size=32)
+
+
+def test_your_own_module_in_MODELS(monkeypatch):
+    def tiny_cnn(num_classes):
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes))
+
+    monkeypatch.setitem(model_module.MODELS, "tiny_cnn", tiny_cnn)
+    cfg = load_config(["model.name=tiny_cnn", "model.freeze_layers=true"])
+    model = build_model(cfg.model, 4, torch.device("cpu"), img_size=32)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["5.weight", "5.bias"]
+    with pytest.raises(UserError, match="your own model.*use --weights FILE"):
+        load_config(["model.name=tiny_cnn", "model.pretrained=DEFAULT"])
+
+
+def test_freeze_refuses_when_nothing_would_train():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    with pytest.raises(UserError, match="no classifier head found.*nothing would train"):
+        freeze_all_but_head(model, 5)
+
+
+def test_sync_bn_is_skipped_where_no_batchnorm_trains(capsys):
+    model = create_model("resnet18", num_classes=3)
+    assert sync_bn_wanted(model, True) is True
+    freeze_all_but_head(model, 3)
+    assert sync_bn_wanted(model, True) is False
+    assert capsys.readouterr().out.count("note: --syncBN True skipped") == 1
+
+
+# --------------------------------------------------------------------------- model.pretrained, hub cache only
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A temporary TORCH_HOME holding resnet18's IMAGENET1K_V1 file (a seeded 1000-class state_dict);
+    any download attempt fails the test."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+
+    def no_network(*a, **k):
+        raise AssertionError("tried to download")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    torch.manual_seed(7)
+    state = torchvision.models.resnet18(num_classes=1000).state_dict()
+    path = tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"  # the name torchvision uses
+    path.parent.mkdir(parents=True)
+    torch.save(state, path)
+    return path, state
+
+
+@pytest.mark.parametrize("weights", ["IMAGENET1K_V1", "DEFAULT"])
+def test_pretrained_loads_from_the_hub_cache_and_replaces_the_head(hub_cache, weights):
+    path, state = hub_cache
+    cfg = load_config(["model.name=resnet18", f"model.pretrained={weights}", "model.freeze_layers=true"])
+    report = []
+    model = create_model("resnet18", 5, img_size=32, pretrained=weights, log=report.append)
+    assert report == [f"pretrained resnet18 ResNet18_Weights.IMAGENET1K_V1 from {path}: {len(state) - 2} tensors "
+                      "loaded; head 'fc' replaced (1000 -> 5 classes, freshly initialised)"]
+    own = model.state_dict()
+    assert own["fc.weight"].shape == (5, 512)
+    assert all(torch.equal(v, state[k]) for k, v in own.items() if not k.startswith("fc."))
+    frozen = build_model(cfg.model, 5, torch.device("cpu"), img_size=32, verbose=False)
+    assert torch.equal(frozen.bn1.running_mean, state["bn1.running_mean"])  # frozen with the loaded statistics
+
+
+def test_pretrained_missing_from_the_cache_is_one_line_before_any_data(tmp_path):
+    proc = run_entry("train.py", "--data-path", tmp_path / "no-such-folder", "model.name=resnet18",
+                     "model.pretrained=DEFAULT", env={"TORCH_HOME": str(tmp_path / "torch")}, cwd=tmp_path)
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "error: pretrained weights ResNet18_Weights.IMAGENET1K_V1 are not in the local torch hub cache: put "
+        f"resnet18-f37072fd.pth in {cache} (nothing is downloaded here); on a machine with internet fetch it "
+        "with: curl -L -o resnet18-f37072fd.pth https://download.pytorch.org/models/resnet18-f37072fd.pth")
+    assert not cache.exists() and not (tmp_path / "runs").exists()
+
+
+def test_unknown_weights_name_gets_did_you_mean(hub_cache):
+    with pytest.raises(UserError, match="resnet18 has no such weights \\(did you mean 'IMAGENET1K_V1'\\?\\)"):
+        load_config(["model.name=resnet18", "model.pretrained=IMAGENET1K_V2"])
 
 
 # --------------------------------------------------------------------------- --freeze-layers, real script
@@ -96,14 +235,59 @@ def frozen_run(tmp_path_factory):
     return proc, weights, ckpt
 
 
+def frozen_backbone_unchanged(before, after, head):
+    """No parameter and no BatchNorm buffer outside `head` differs; the head did train.
+    FrozenBatchNorm2d keeps no num_batches_tracked, so those keys are absent from `after`."""
+    assert set(before) - set(after) == {k for k in before if k.endswith("num_batches_tracked")}
+    changed = sorted(k for k in after if not torch.equal(after[k], before[k]))
+    assert changed == [f"{head}.bias", f"{head}.weight"]
+
+
 @pytest.mark.slow
 def test_freeze_layers_changes_only_fc_parameters(frozen_run):
     proc, weights, ckpt = frozen_run
     assert f"loaded {len(weights)}/{len(weights)} tensors" in proc.stdout
-    params = {n for n, _ in create_model("resnet18", num_classes=5).named_parameters()}
-    after = ckpt["model"]
-    assert set(after) == set(weights)
-    changed = sorted(n for n in params if not torch.equal(after[n], weights[n]))
-    assert changed == ["fc.bias", "fc.weight"]
+    assert "freeze_layers: only the head 'fc' trains" in proc.stdout
+    frozen_backbone_unchanged(weights, ckpt["model"], "fc")
     # The optimizer only ever held the head.
     assert [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]] == [2]
+    # A frozen run's checkpoint still loads, strictly, into the plain (unfrozen) model.
+    create_model("resnet18", num_classes=5).load_state_dict(ckpt["model"])
+
+
+@pytest.mark.slow
+def test_freeze_layers_under_ddp_keeps_the_backbone_and_skips_sync_bn(tmp_path):
+    """torchrun, 2 gloo processes, mobilenet_v3_small (head classifier.3) with --syncBN True: one
+    note, no conversion, and after an epoch no backbone parameter or BatchNorm buffer has moved."""
+    root = make_image_folder(tmp_path / "flowers")
+    torch.manual_seed(6)
+    weights = create_model("mobilenet_v3_small", num_classes=5).state_dict()
+    torch.save(weights, tmp_path / "w.pth")
+    proc = run_entry("train_multi_gpu_ddp.py", *FAST_ARGS, "model.name=mobilenet_v3_small", "--data-path", root,
+                     "--output-dir", tmp_path / "run", "--weights", tmp_path / "w.pth", "--freeze-layers", "True",
+                     "--syncBN", "True", nproc=2, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("note: --syncBN True skipped") == 1 and "SyncBatchNorm" not in proc.stdout
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    frozen_backbone_unchanged(weights, ckpt["model"], "classifier.3")
+
+
+@pytest.mark.slow
+def test_mobilenet_v3_small_trains_with_adamw_smoothing_and_clipping(tmp_path):
+    """Another family through train.py for an epoch, every new optim key on: every tensor moves,
+    the optimizer is AdamW with its no-decay group, the loss is finite."""
+    root = make_image_folder(tmp_path / "flowers")
+    torch.manual_seed(8)
+    start = create_model("mobilenet_v3_small", num_classes=5).state_dict()
+    torch.save(start, tmp_path / "w.pth")
+    proc = run_entry("train.py", *FAST_ARGS, "model.name=mobilenet_v3_small", "--data-path", root,
+                     "--output-dir", tmp_path / "run", "--weights", tmp_path / "w.pth", "optim.name=adamw",
+                     "optim.lr=0.001", "optim.weight_decay=0.05", "optim.label_smoothing=0.1",
+                     "optim.clip_grad_norm=1.0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert [g["weight_decay"] for g in ckpt["optimizer"]["param_groups"]] == [0.05, 0.0]
+    params = [n for n, _ in create_model("mobilenet_v3_small", 5).named_parameters()]
+    assert [n for n in params if not torch.equal(ckpt["model"][n], start[n])] == params
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert math.isfinite(metrics[-1]["train_loss"]) and metrics[-1]["val_count"] == 5

@@ -1,5 +1,6 @@
-"""utils/optim.py: the optimizer, the warm-up + cosine schedule, the linear lr scaling with
-world size, the autocast dtype choice, loss scaling, and the DataParallel autocast wrapper.
+"""utils/optim.py: the optimizer (sgd; adamw without decay on norms and biases), the warm-up +
+cosine schedule, the linear lr scaling with world size, the autocast dtype choice, loss scaling,
+the DataParallel autocast wrapper, and the loop's optim.label_smoothing and optim.clip_grad_norm.
 
     python -m pytest tests/test_optim.py -q
 """
@@ -9,8 +10,13 @@ import threading
 import pytest
 import torch
 
+from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fixture
 from utils.config import load_config
+from utils.engine import train_one_epoch
 from utils.optim import AutocastForward, build_optimizer, build_scaler, build_scheduler, resolve_amp
+from utils.run_logger import RunLogger
+
+CPU = torch.device("cpu")
 
 
 def optim_cfg(**kw):
@@ -158,15 +164,6 @@ def test_autocast_forward_sets_the_dtype_in_the_replica_thread():
         assert in_new_thread(replica) is torch.float16
 
 
-def test_fp16_steps_use_fused_sgd_where_torch_has_it():
-    """GradScaler.step copies its inf/NaN flag to the host every step unless the optimizer is fused."""
-    model = torch.nn.Linear(4, 2)
-    fused = build_optimizer(model, optim_cfg(), fused=True)
-    has_fused = "fused" in inspect.signature(torch.optim.SGD).parameters
-    assert fused.param_groups[0].get("fused", False) is has_fused
-    assert not build_optimizer(model, optim_cfg()).param_groups[0].get("fused")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -175,3 +172,135 @@ def test_autocast_forward_in_a_thread_on_cuda(dtype):
     with torch.autocast("cuda", dtype=torch.float16 if dtype is torch.bfloat16 else torch.bfloat16):
         got = in_new_thread(lambda: AutocastForward(torch.nn.Linear(8, 4).cuda(), dtype)(x).dtype)
     assert got is dtype
+
+
+# --------------------------------------------------------------------------- optim.name=adamw, label smoothing, clipping
+
+def small_net():
+    """Conv + BatchNorm + LayerNorm + Linear: every kind of tensor the decay rule sorts."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.LayerNorm(4),
+                               torch.nn.Linear(4, 3))
+
+
+def test_adamw_groups_exclude_norm_parameters_and_biases_from_decay():
+    model = small_net()
+    opt = build_optimizer(model, optim_cfg(name="adamw", weight_decay=0.5))
+    assert isinstance(opt, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [(g["weight_decay"], sorted(names[id(p)] for p in g["params"])) for g in opt.param_groups]
+    assert groups == [(0.5, ["0.weight", "6.weight"]),
+                      (0.0, ["0.bias", "1.bias", "1.weight", "5.bias", "5.weight", "6.bias"])]
+    # The groups act: with zero gradients one AdamW step only shrinks the decayed weights.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        expected = before[n] * (1 - 0.01 * 0.5) if n in ("0.weight", "6.weight") else before[n]
+        assert torch.allclose(p, expected), n
+
+
+def test_adamw_groups_on_a_torchvision_model_and_sgd_keeps_one_group():
+    from model import create_model
+    model = create_model("mobilenet_v3_small", num_classes=3)
+    decay, no_decay = build_optimizer(model, optim_cfg(name="adamw")).param_groups
+    norm_params = {id(p) for m in model.modules() if isinstance(m, (torch.nn.BatchNorm2d, torch.nn.LayerNorm))
+                   for p in m.parameters(recurse=False)}
+    biases = {id(p) for n, p in model.named_parameters() if n.endswith(".bias")}
+    assert norm_params and biases
+    assert {id(p) for p in no_decay["params"]} == norm_params | biases
+    assert not {id(p) for p in decay["params"]} & (norm_params | biases)
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    # sgd: the default recipe's single group, decay on every tensor (its checkpoints resume as before)
+    sgd = build_optimizer(model, optim_cfg())
+    assert isinstance(sgd, torch.optim.SGD) and len(sgd.param_groups) == 1
+    assert sgd.param_groups[0]["weight_decay"] == 1e-4
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_fp16_steps_use_a_fused_optimizer_where_torch_has_it(name):
+    cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[name]
+    fused = build_optimizer(small_net(), optim_cfg(name=name), fused=True)
+    assert fused.param_groups[0].get("fused", False) is ("fused" in inspect.signature(cls).parameters)
+    assert not build_optimizer(small_net(), optim_cfg(name=name)).param_groups[0].get("fused")
+
+
+def batches(n=1, size=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 3, 8, 8, generator=g), torch.randint(0, 3, (size,), generator=g))
+            for _ in range(n)]
+
+
+class ScalarLog(RunLogger):
+    """A disabled logger that keeps the scalars the loop logs."""
+
+    def __init__(self):
+        super().__init__(".", enabled=False)
+        self.scalars = []
+
+    def scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+
+def one_epoch(model, data, scaler=None, **kw):
+    opt = build_optimizer(model, optim_cfg(lr=0.1))
+    sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, len(data))
+    logger = ScalarLog()
+    out = train_one_epoch(model, data, opt, sched, scaler or build_scaler(None, CPU), CPU, 0, logger=logger,
+                          log_every=1, **kw)
+    return out, opt, logger
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_label_smoothing_matches_cross_entropy(smoothing):
+    data = batches()
+    model = small_net().eval()  # eval: BatchNorm normalises the same way in both computations
+    expected = torch.nn.functional.cross_entropy(model(data[0][0]), data[0][1], label_smoothing=smoothing)
+    model.train = lambda mode=True: model  # keep eval mode inside the loop (no batch statistics)
+    out, _, _ = one_epoch(model, data, label_smoothing=smoothing)
+    assert out["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    if smoothing:
+        plain = torch.nn.functional.cross_entropy(small_net().eval()(data[0][0]), data[0][1])
+        assert abs(out["train_loss"] - plain.item()) > 1e-3  # the smoothing did change the loss
+
+
+def grad_norm(params):
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_clip_caps_the_measured_norm_and_logs_the_unclipped_one(monkeypatch, fp16):
+    """The norm the optimizer steps with is min(true norm, clip); under fp16 the clip acts on the
+    unscaled gradients (clipping the scaled ones would leave clip / scale, far below the cap)."""
+    data = batches(3)
+    seen = []
+    real_step = torch.optim.SGD.step
+
+    def recording_step(self, *a, **k):
+        seen.append(grad_norm([p for g in self.param_groups for p in g["params"]]))
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+    one_epoch(small_net(), data)
+    free = list(seen)
+    assert min(free) > 0.05  # the gradients' true norms, each well above the cap below
+    seen.clear()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if fp16 else None
+    _, _, logger = one_epoch(small_net(), data, scaler=scaler, clip_grad_norm=0.05)
+    assert seen == [pytest.approx(0.05, rel=1e-4)] * 3
+    logged = [v for tag, v, _ in logger.scalars if tag == "train/grad_norm"]
+    assert logged[0] == pytest.approx(free[0], rel=1e-4)  # step 1: same weights, the pre-clip norm
+    assert len(logged) == 3 and min(logged) > 0.05
+
+
+def test_clipping_adds_no_per_step_host_sync(sync_log):
+    data = batches(6)
+    loader = MarkingLoader(data, sync_log)
+    model = small_net()
+    opt = build_optimizer(model, optim_cfg(lr=0.1))
+    train_one_epoch(model, loader, opt, build_scheduler(opt, optim_cfg(lr=0.1), 1, 6), build_scaler(None, CPU),
+                    CPU, 0, log_every=100, clip_grad_norm=0.05, label_smoothing=0.1)
+    per_step = [sync_log[a:b] for a, b in zip(loader.marks, loader.marks[1:])]
+    assert per_step == [[]] * 5

@@ -50,6 +50,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
+    pretrained: Optional[str] = MISSING
     weights: Optional[str] = MISSING
     freeze_layers: bool = MISSING
     sync_bn: bool = MISSING
@@ -58,12 +59,15 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = MISSING
     lr: float = MISSING
     lrf: float = MISSING
     momentum: float = MISSING
     weight_decay: float = MISSING
     warmup_epochs: float = MISSING
     scale_lr: bool = MISSING
+    label_smoothing: float = MISSING
+    clip_grad_norm: float = MISSING
 
 
 @dataclass
@@ -117,12 +121,25 @@ CLASSIC_FLAGS = {
 }
 
 CHOICES = {
-    "model.name": ("resnet18", "resnet34", "resnet50"),
+    "optim.name": ("sgd", "adamw"),
     "train.amp": ("auto", "bf16", "fp16", "off"),
     "data.pipeline": ("pil", "gpu", "auto"),
     "data.bad_image": ("warn", "error"),
     "ddp.backend": ("auto", "nccl", "gloo"),
 }
+
+
+# Checks that need code above utils/, which never imports data.py or model.py: model.py
+# registers its model.name / model.pretrained check here when imported. Every entry script
+# imports model.py, so the check runs at config time, before any data is read.
+_REGISTERED_CHECKS = []
+
+
+def register_check(fn):
+    """fn(cfg) raises UserError for a value only code above utils/ can judge."""
+    if fn not in _REGISTERED_CHECKS:
+        _REGISTERED_CHECKS.append(fn)
+    return fn
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -219,10 +236,16 @@ def _check_ranges(cfg):
         raise UserError("--eval-only needs a model to evaluate: --resume CHECKPOINT or --weights FILE")
     if cfg.train.save_every_steps < 0:
         bad("train.save_every_steps", "must be 0 (epoch ends only) or more")
+    if not 0.0 <= cfg.optim.label_smoothing < 1.0:
+        bad("optim.label_smoothing", f"{cfg.optim.label_smoothing}; must be in [0, 1)")
+    if cfg.optim.clip_grad_norm < 0:
+        bad("optim.clip_grad_norm", f"{cfg.optim.clip_grad_norm}; 0 (off) or a positive norm")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             bad(key, f"'{value}'; choose one of {', '.join(allowed)}")
+    for check in _REGISTERED_CHECKS:
+        check(cfg)
 
 
 def load_config(argv=None, description=""):

@@ -45,7 +45,8 @@ def _to_device(images, labels, device, channels_last):
 
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, *, amp_dtype=None,
                     channels_last=False, log_every=20, global_step=0, world_size=1, logger=None,
-                    resume=None, stop=None, save_every=0, save_step=None, epochs=None, first_batch=None):
+                    resume=None, stop=None, save_every=0, save_step=None, epochs=None, first_batch=None,
+                    label_smoothing=0.0, clip_grad_norm=0.0):
     """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step.
 
     resume: a mid-epoch checkpoint's point (checkpoint.resume_point) to continue from.
@@ -54,12 +55,17 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
     first window boundary after each `save_every` steps, and on a stop; then "stopped" is set.
     first_batch(images, labels): called with the epoch's first batch as the model gets it (the
     augmented-samples picture); not called when the epoch is resumed past its first step.
+    label_smoothing: of the training loss. clip_grad_norm (> 0): the gradients' total norm is
+    clipped to it (after unscaling under fp16); its pre-clip value is summed on the device and
+    logged per window as train/grad_norm.
     """
     model.train()
     logger = logger or RunLogger(".", enabled=False)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     window_sum = torch.zeros((), device=device, dtype=torch.float64)
     first_bad = torch.full((), _NO_BAD_STEP, device=device, dtype=torch.long)
+    norm_sum = torch.zeros((), device=device, dtype=torch.float64)
+    clipped = [p for g in optimizer.param_groups for p in g["params"]] if clip_grad_norm else []
     images_seen, window_steps = 0, 0
     batches, skip = iter(loader), 0
     if resume is not None:
@@ -80,9 +86,12 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
         if i == 0 and first_batch is not None:
             first_batch(images, labels)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(model(images), labels, label_smoothing=label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
+        if clip_grad_norm:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+            norm_sum += torch.nn.utils.clip_grad_norm_(clipped, clip_grad_norm).double()  # no sync
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
@@ -102,7 +111,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             # The one host sync (and all-reduce) per window; every rank reaches it at the same step.
             # A stop request rides in the same all-reduce: no extra collective on the hot path.
             flag = window_sum.new_tensor(float(stop is not None and stop.requested()))
-            summed = reduce_value(torch.stack([window_sum, flag]), average=False).tolist()
+            summed = reduce_value(torch.stack([window_sum, flag, norm_sum]), average=False).tolist()
             window_loss, stopping = summed[0] / (window_steps * world_size), summed[1] > 0
             if not math.isfinite(window_loss):
                 bad = reduce_min(first_bad).item()  # all ranks saw the same NaN sum, all join this
@@ -116,6 +125,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             logger.scalar("train/loss_step", window_loss, global_step)
             # The lr the window ended with (a Python float, no sync): warm-up and cosine show as curves.
             logger.scalar("train/lr", optimizer.param_groups[0]["lr"], global_step)
+            if clip_grad_norm:  # the mean pre-clip norm of the window (every rank clips the same reduced grads)
+                logger.scalar("train/grad_norm", summed[2] / (window_steps * world_size), global_step)
+                norm_sum.zero_()
             window_sum.zero_()
             window_steps, window_start = 0, now
             # The epoch's last step is followed by evaluation and the epoch checkpoint anyway.
@@ -360,7 +372,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                                     log_every=cfg.train.log_every, global_step=global_step,
                                     world_size=world, logger=logger, resume=mid, stop=stop,
                                     save_every=cfg.train.save_every_steps, save_step=save_step,
-                                    epochs=cfg.train.epochs,
+                                    epochs=cfg.train.epochs, label_smoothing=cfg.optim.label_smoothing,
+                                    clip_grad_norm=cfg.optim.clip_grad_norm,
                                     first_batch=(lambda im, lb, s=global_step: sample_picture(
                                         logger, im, lb, classes, train_loader.dataset, s)) if epoch == 0 else None)
             mid = None

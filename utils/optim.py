@@ -6,18 +6,42 @@ import torch
 
 
 def build_optimizer(model, optim_cfg, world_size=1, fused=False):
-    """SGD over the trainable tensors; lr scaled by world size under the linear scaling rule.
+    """optim.name over the trainable tensors; lr scaled by world size under the linear scaling rule.
 
     In DDP each process sees `batch_size` images, so the global batch is
     batch_size * world_size; keeping lr per image constant means lr * world_size.
     `fused` (fp16 on CUDA): GradScaler then reads the inf/NaN check inside the
-    fused kernel; with a plain SGD it copies that flag to the host every step.
+    fused kernel; with a plain optimizer it copies that flag to the host every step.
+    sgd: one group, decay on every tensor (the default recipe, and its checkpoints, unchanged).
+    adamw: decay only on weights, not on norm layers and biases (decay_groups).
     """
     lr = optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    extra = {"fused": True} if fused and "fused" in inspect.signature(torch.optim.SGD).parameters else {}
-    return torch.optim.SGD(params, lr=lr, momentum=optim_cfg.momentum,
-                           weight_decay=optim_cfg.weight_decay, **extra)
+    cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optim_cfg.name]
+    extra = {"fused": True} if fused and "fused" in inspect.signature(cls).parameters else {}
+    if optim_cfg.name == "sgd":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=lr, momentum=optim_cfg.momentum,
+                               weight_decay=optim_cfg.weight_decay, **extra)
+    return torch.optim.AdamW(decay_groups(model, optim_cfg.weight_decay), lr=lr, **extra)
+
+
+_NORM_TYPES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm, torch.nn.LayerNorm,
+               torch.nn.LocalResponseNorm, torch.nn.modules.instancenorm._InstanceNorm)
+
+
+def decay_groups(model, weight_decay):
+    """[decay group, no-decay group] of the trainable tensors: decaying a norm layer's scale or a
+    bias only pulls it towards 0 without regularising anything; weights (ndim >= 2) keep the decay.
+    Any 1-d tensor counts as a norm or bias (e.g. a norm class of one's own)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                quiet = isinstance(module, _NORM_TYPES) or name == "bias" or p.ndim <= 1
+                (no_decay if quiet else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def lr_factor(step, total_steps, warmup_steps, lrf):
