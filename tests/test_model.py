@@ -12,9 +12,9 @@ import pytest
 import torch
 import torchvision
 
-from conftest import FAST_ARGS, make_image_folder, run_entry
+from conftest import FAST_ARGS, REPO, make_image_folder, run_entry
 import model as model_module
-from model import build_model, create_model, freeze_all_but_head, load_weights, sync_bn_wanted
+from model import build_model, create_model, find_head, freeze_all_but_head, load_weights, sync_bn_wanted
 from utils.config import load_config
 from utils.errors import UserError
 
@@ -152,6 +152,11 @@ def test_your_own_module_in_MODELS(monkeypatch):
         load_config(["model.name=tiny_cnn", "model.pretrained=DEFAULT"])
 
 
+def test_head_is_the_last_layer_with_the_class_count():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 3))
+    assert find_head(model, 3)[0] == "2"
+
+
 def test_freeze_refuses_when_nothing_would_train():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
     with pytest.raises(UserError, match="no classifier head found.*nothing would train"):
@@ -211,6 +216,12 @@ def test_pretrained_missing_from_the_cache_is_one_line_before_any_data(tmp_path)
         f"resnet18-f37072fd.pth in {cache} (nothing is downloaded here); on a machine with internet fetch it "
         "with: curl -L -o resnet18-f37072fd.pth https://download.pytorch.org/models/resnet18-f37072fd.pth")
     assert not cache.exists() and not (tmp_path / "runs").exists()
+
+
+def test_finetune_recipe_states_only_what_differs(hub_cache):
+    cfg = load_config(["--config", str(REPO / "configs" / "finetune.yaml"), "model.name=resnet18"])
+    assert (cfg.model.pretrained, cfg.optim.name, cfg.optim.label_smoothing) == ("DEFAULT", "adamw", 0.1)
+    assert cfg.optim.lr < load_config([]).optim.lr
 
 
 def test_unknown_weights_name_gets_did_you_mean(hub_cache):
