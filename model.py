@@ -215,7 +215,7 @@ def freeze_all_but_head(model, num_classes=None):
     if found is None or not any(True for _ in found[1].parameters()):
         raise UserError(f"model.freeze_layers: no classifier head found in {type(model).__name__} (a last Linear "
                         f"or Conv2d with {num_classes or 'N'} outputs), so nothing would train; "
-                        "set model.freeze_layers=false")
+                        "set model.freeze_layers=false", every_rank=True)  # the same on every rank: printed once
     head_name, head = found
     for p in model.parameters():
         p.requires_grad_(False)
@@ -257,7 +257,7 @@ def _probe(model, name, img_size):
             model.eval()(torch.zeros(1, 3, img_size, img_size))
     except (RuntimeError, ValueError, AssertionError, IndexError) as e:
         raise UserError(f"model.name={name} does not run at data.img_size={img_size}: "
-                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", every_rank=True)
     finally:
         model.train(training)
 

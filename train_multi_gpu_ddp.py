@@ -43,7 +43,8 @@ def main(argv=None):
 
     # -- model: SyncBN (CUDA only), then one DDP replica per process --
     model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size)
-    model = convert_sync_bn(model, sync_bn_wanted(model, cfg.model.sync_bn, rank == 0), device, verbose=rank == 0)
+    sync_bn = sync_bn_wanted(model, cfg.model.sync_bn, verbose=rank == 0)  # not where no BatchNorm trains
+    model = convert_sync_bn(model, sync_bn, device, verbose=rank == 0)
     # cfg.ddp less its backend: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs(cfg.ddp))
 

@@ -174,7 +174,7 @@ def test_autocast_forward_in_a_thread_on_cuda(dtype):
     assert got is dtype
 
 
-# --------------------------------------------------------------------------- optim.name=adamw, label smoothing, clipping
+# ------------------------------------------------------------------ optim.name=adamw, label smoothing, clipping
 
 def small_net():
     """Conv + BatchNorm + LayerNorm + Linear: every kind of tensor the decay rule sorts."""
@@ -300,7 +300,8 @@ def test_clipping_adds_no_per_step_host_sync(sync_log):
     loader = MarkingLoader(data, sync_log)
     model = small_net()
     opt = build_optimizer(model, optim_cfg(lr=0.1))
-    train_one_epoch(model, loader, opt, build_scheduler(opt, optim_cfg(lr=0.1), 1, 6), build_scaler(None, CPU),
-                    CPU, 0, log_every=100, clip_grad_norm=0.05, label_smoothing=0.1)
+    sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 6)
+    train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, log_every=100,
+                    clip_grad_norm=0.05, label_smoothing=0.1)
     per_step = [sync_log[a:b] for a, b in zip(loader.marks, loader.marks[1:])]
     assert per_step == [[]] * 5
