@@ -14,7 +14,7 @@ extra memory on its first GPU shows here), on CPU the peak resident memory of
 the largest process. --batch-size is per device: DataParallel gets it times
 the number of GPUs as its global batch, so every row does the same work per
 device. Writes OUT/scaling.json, OUT/scaling.md and OUT/scaling.png (drawn
-with PIL: no plotting library needed), rewritten (atomically) before and after
+with matplotlib, utils/figures.py), rewritten (atomically) before and after
 every row: a run stopped at any point leaves a valid table of the rows it
 finished, with the row that was running and those not started marked as such.
 --timeout bounds each row (the run and its child processes are killed), so one
@@ -32,7 +32,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"single": "train.py", "dp": "train_multi_gpu_dp.py", "ddp": "train_multi_gpu_ddp.py"}
@@ -221,43 +220,17 @@ def markdown(rows, unit, running=None, not_started=()):
 
 
 def chart(rows, path, title):
-    """Grouped bars: images/s per device count, one colour per mode, value on each bar."""
+    """Grouped bars: images/s per device count, one colour per mode, value on each bar (matplotlib)."""
+    from utils.figures import grouped_bars, save_png
     ok = [r for r in rows if "error" not in r]
     counts = sorted({r["devices"] for r in ok})
     modes = [m for m in SCRIPTS if any(r["mode"] == m for r in ok)]
-    colours = {"single": (90, 90, 90), "dp": (230, 140, 30), "ddp": (40, 110, 200)}
-    W, H, left, bottom, top = 720, 420, 70, 50, 50
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    d.text((left, 15), title, fill="black")
-    top_val = max([r["img_per_s"] for r in ok] + [1e-9]) * 1.15
-    plot_h, plot_w = H - bottom - top, W - left - 20
-    d.line([(left, top), (left, H - bottom), (W - 20, H - bottom)], fill="black")
-    for t in range(5):
-        v = top_val * t / 4
-        y = H - bottom - plot_h * t / 4
-        d.line([(left - 4, y), (left, y)], fill="black")
-        d.text((5, y - 6), f"{v:,.0f}", fill="black")
-    d.text((5, top - 30), "img/s", fill="black")
-    group = plot_w / max(len(counts), 1)
-    bar = group * 0.8 / max(len(modes), 1)
-    for gi, k in enumerate(counts):
-        x0 = left + gi * group + group * 0.1
-        d.text((x0 + group * 0.3, H - bottom + 8), f"{k} device{'s' if k > 1 else ''}", fill="black")
-        for mi, m in enumerate(modes):
-            r = next((r for r in ok if r["devices"] == k and r["mode"] == m), None)
-            if r is None:
-                continue
-            h = plot_h * r["img_per_s"] / top_val
-            x = x0 + mi * bar
-            d.rectangle([x, H - bottom - h, x + bar - 3, H - bottom], fill=colours[m])
-            d.text((x + 2, H - bottom - h - 14), f"{r['img_per_s']:,.0f}", fill="black")
-    for mi, m in enumerate(modes):
-        x = W - 200 + mi * 60
-        d.rectangle([x, 18, x + 12, 30], fill=colours[m])
-        d.text((x + 16, 18), m, fill="black")
+    image = grouped_bars([f"{k} device{'s' if k > 1 else ''}" for k in counts], modes,
+                         {(f"{r['devices']} device{'s' if r['devices'] > 1 else ''}", r["mode"]): r["img_per_s"]
+                          for r in ok}, {"single": "dimgray", "dp": "darkorange", "ddp": "tab:blue"},
+                         title, "img/s")
     tmp = path.with_name(f".{path.name}.tmp")
-    img.save(tmp, format="PNG")
+    save_png(image, tmp)
     os.replace(tmp, path)
 
 

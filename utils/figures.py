@@ -73,7 +73,7 @@ def image_grid(images, titles, colours=None, title=None, cols=None):
         return _render(fig)
     cols = cols or min(n, 8)
     rows = max(1, -(-n // cols))
-    fig = _figure(1.6 * cols, 1.75 * rows + (0.3 if title else 0))
+    fig = _figure(max(1.6 * cols, 4.8 if title else 0), 1.75 * rows + (0.3 if title else 0))  # wide enough for the title
     if title:
         fig.suptitle(title, fontsize=10)
     for i in range(rows * cols):
@@ -82,6 +82,26 @@ def image_grid(images, titles, colours=None, title=None, cols=None):
         if i < n:
             ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
             ax.set_title(titles[i], fontsize=7, color=(colours[i] if colours else "black"))
+    return _render(fig)
+
+
+def grouped_bars(groups, series, values, colours, title, ylabel, size=(7.2, 4.2)):
+    """Bars per group (x) and series (colour), each labelled with its value; values[(group, series)],
+    a missing pair is left out. The picture is exactly size x 100 pixels."""
+    fig = _figure(*size)
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(series), 1)
+    for si, name in enumerate(series):
+        xs = [gi + si * width for gi, g in enumerate(groups) if (g, name) in values]
+        ys = [values[(g, name)] for g in groups if (g, name) in values]
+        bars = ax.bar(xs, ys, width * 0.95, label=name, color=colours.get(name))
+        ax.bar_label(bars, labels=[f"{y:,.0f}" for y in ys], fontsize=8)
+    ax.set_xticks([gi + width * (len(series) - 1) / 2 for gi in range(len(groups))], [str(g) for g in groups])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.margins(y=0.15)
+    if series:
+        ax.legend(fontsize=8)
     return _render(fig)
 
 
