@@ -21,35 +21,31 @@ def _render(fig):
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def _figure(width, height):
+def _figure(width, height, layout="constrained"):
     from matplotlib.figure import Figure
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return Figure(figsize=(width, height), dpi=100, layout=layout)
 
 
 def confusion_matrix_image(confusion, classes):
-    """Rows: true class (with its accuracy), columns: predicted; colour = share of the row."""
+    """Rows: true class (with its accuracy), columns: predicted; colour = share of the row, counts written in."""
     cm = np.asarray(confusion, dtype=np.float64)
     n = len(classes)
-    rows = cm.sum(axis=1, keepdims=True)
-    share = cm / np.maximum(rows, 1)
+    share = cm / np.maximum(cm.sum(axis=1, keepdims=True), 1)
     side = min(3 + 0.45 * n, 16)
-    fig = _figure(side + 1, side)
-    ax = fig.add_subplot()
-    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
-    fig.colorbar(im, ax=ax, fraction=0.046, label="share of the true class")
+    fig = _figure(side + 1.2, side, layout=None)
+    ax = fig.add_axes((0.3, 0.22, 0.66, 0.68))
+    ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     acc = np.diag(share)
     ax.set_xticks(range(n), [str(c) for c in classes], rotation=45 if n > 3 else 0, ha="right" if n > 3 else "center")
     ax.set_yticks(range(n), [f"{c} ({a:.0%})" for c, a in zip(classes, acc)])
     ax.set_xlabel("predicted")
-    ax.set_ylabel("true class (accuracy)")
+    ax.set_ylabel("true class (its accuracy)")
     total = cm.sum()
-    ax.set_title(f"confusion matrix: {int(total)} images, accuracy {np.trace(cm) / max(total, 1):.1%}")
+    ax.set_title(f"{int(total)} images, accuracy {np.trace(cm) / max(total, 1):.1%}", fontsize=10)
     if n <= 25:  # counts stay legible up to ~25 classes
-        for i in range(n):
-            for j in range(n):
-                if cm[i, j]:
-                    ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=8,
-                            color="white" if share[i, j] > 0.5 else "black")
+        for i, j in zip(*np.nonzero(cm)):
+            ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=8,
+                    color="white" if share[i, j] > 0.5 else "black")
     return _render(fig)
 
 
@@ -64,24 +60,39 @@ def denormalize(images, mean=None, std=None):
     return images.clamp(0, 1)
 
 
-def image_grid(images, titles, colours=None, title=None, cols=None):
-    """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`)."""
+def image_grid(images, titles, colours=None, title=None, cols=None, cell=112):
+    """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`).
+
+    One mosaic in one Axes (captions as text), not an Axes per image: a grid of 16 costs
+    about as much to draw as one picture.
+    """
     n = len(images)
     if n == 0:  # e.g. no misclassified image this epoch: say so instead of leaving a gap in the series
         fig = _figure(4, 1)
         fig.text(0.5, 0.5, f"{title or ''}\nnone", ha="center", va="center", fontsize=10)
         return _render(fig)
     cols = cols or min(n, 8)
-    rows = max(1, -(-n // cols))
-    fig = _figure(max(1.6 * cols, 4.8 if title else 0), 1.75 * rows + (0.3 if title else 0))  # wide enough for the title
+    rows = -(-n // cols)
+    pad, caption = 8, 30  # pixels between cells, and above each cell for its caption
+    cells = torch.nn.functional.interpolate(images.float(), size=(cell, cell), mode="nearest")
+    mosaic = np.ones((rows * (cell + caption + pad), cols * (cell + pad), 3), dtype=np.float32)
+    for i in range(n):
+        y, x = (i // cols) * (cell + caption + pad) + caption, (i % cols) * (cell + pad)
+        mosaic[y:y + cell, x:x + cell] = cells[i].permute(1, 2, 0).numpy()
+    head = 0.35 if title else 0.0
+    height, width = mosaic.shape[0] / 100, max(mosaic.shape[1] / 100, 4.8 if title else 0)
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height + head), dpi=100)
+    ax = fig.add_axes((0, 0, 1, height / (height + head)))
+    ax.imshow(mosaic, interpolation="nearest")
+    ax.set_xlim(-0.5 - (width * 100 - mosaic.shape[1]) / 2, mosaic.shape[1] - 0.5 + (width * 100 - mosaic.shape[1]) / 2)
+    ax.axis("off")
+    for i in range(n):
+        y, x = (i // cols) * (cell + caption + pad) + caption - 2, (i % cols) * (cell + pad) + cell / 2
+        ax.text(x, y, titles[i], ha="center", va="bottom", fontsize=7, linespacing=1.1,
+                color=(colours[i] if colours else "black"))
     if title:
-        fig.suptitle(title, fontsize=10)
-    for i in range(rows * cols):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        ax.axis("off")
-        if i < n:
-            ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
-            ax.set_title(titles[i], fontsize=7, color=(colours[i] if colours else "black"))
+        fig.text(0.5, 1 - head / (height + head) / 2, title, ha="center", va="center", fontsize=10)
     return _render(fig)
 
 
