@@ -17,7 +17,8 @@ sys.path.insert(0, str(REPO))
 
 # Arguments that make any entry script fast on CPU; a test appends its own after these.
 FAST_ARGS = ["--device", "cpu", "model.name=resnet18", "data.img_size=32", "data.val_resize=36",
-             "data.num_workers=0", "train.epochs=1", "train.batch_size=4", "train.log_every=2"]
+             "data.num_workers=0", "train.epochs=1", "train.batch_size=4", "train.log_every=2",
+             "train.figures=false"]  # the pictures are tested on their own (conftest.trained_run)
 
 CLASS_COLOURS = {"daisy": (240, 240, 240), "dandelion": (250, 220, 20), "roses": (200, 20, 30),
                  "sunflowers": (150, 90, 10), "tulips": (220, 80, 200)}
@@ -87,7 +88,7 @@ def trained_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     data = make_image_folder(root / "flowers")
     run_dir = root / "run"
-    base = [*FAST_ARGS, "--data-path", data, "train.worst_images=4"]
+    base = [*FAST_ARGS, "--data-path", data, "train.figures=true", "train.worst_images=4"]
     proc = run_entry("train.py", *base, "--output-dir", run_dir, "train.epochs=3", "train.keep_last=3")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return {"data": data, "run_dir": run_dir, "base": base}

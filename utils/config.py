@@ -82,6 +82,7 @@ class TrainConfig:
     save_every_steps: int = MISSING
     compile: bool = MISSING
     worst_images: int = MISSING
+    figures: bool = MISSING
 
 
 @dataclass

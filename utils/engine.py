@@ -375,13 +375,15 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                                     epochs=cfg.train.epochs, label_smoothing=cfg.optim.label_smoothing,
                                     clip_grad_norm=cfg.optim.clip_grad_norm,
                                     first_batch=(lambda im, lb, s=global_step: sample_picture(
-                                        logger, im, lb, classes, train_loader.dataset, s)) if epoch == 0 else None)
+                                        logger, im, lb, classes, train_loader.dataset, s))
+                                    if epoch == 0 and cfg.train.figures else None)
             mid = None
             global_step = train.pop("global_step")
             if train.pop("stopped", False):
                 _stopped(stop, f"in epoch {epoch + 1}", global_step, run_dir, dist_info)
             val = evaluate(step_model, val_loader, device, len(classes), amp_dtype=amp_dtype,
-                           channels_last=channels_last, logger=logger, worst_k=cfg.train.worst_images)
+                           channels_last=channels_last, logger=logger,
+                           worst_k=cfg.train.worst_images if cfg.train.figures else 0)
             worst = val.pop("val_worst", None)
             # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
             val["bad_images"] = sum(ds.sync_bad_images() for ds in (train_loader.dataset, val_loader.dataset)
@@ -389,7 +391,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
             is_best = val["val_acc"] > best_acc
             best_acc = max(best_acc, val["val_acc"])
             saver.save(epoch + 1, global_step, best_acc, is_best=is_best)
-            figure_seconds = epoch_pictures(logger, val, worst, classes, val_loader.dataset, global_step)
+            figure_seconds = epoch_pictures(logger, val, worst, classes, val_loader.dataset, global_step) \
+                if cfg.train.figures else 0.0
             metrics = {"epoch": epoch + 1, "step": global_step, **train, **val, "lr": lr,
                        "best_acc": best_acc, "figure_seconds": figure_seconds,
                        "epoch_seconds": time.perf_counter() - epoch_start}
