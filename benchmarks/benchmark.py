@@ -132,8 +132,8 @@ class Step:
             model = model.to(memory_format=torch.channels_last)
         self.bare = model
         self.model = wrap(model) if wrap else model
-        optim_cfg = argparse.Namespace(lr=0.01, lrf=0.01, momentum=0.9, weight_decay=1e-4, warmup_epochs=0.0,
-                                       scale_lr=False)
+        optim_cfg = argparse.Namespace(name="sgd", lr=0.01, lrf=0.01, momentum=0.9, weight_decay=1e-4,
+                                       warmup_epochs=0.0, scale_lr=False)
         self.opt = build_optimizer(model, optim_cfg)
         self.sched = build_scheduler(self.opt, optim_cfg, 1000, 1000)
         self.scaler = build_scaler(amp_dtype, device)
