@@ -230,8 +230,8 @@ def test_ddp_syncbn_on_cpu_warns_once_and_continues(runs):
 
 def test_chinese_class_names_train_resume_and_stay_readable(tmp_path):
     """Class folders named 玫瑰, 郁金香, 雏菊 (and files named after them): train.py trains, logs to
-    TensorBoard, checkpoints the names, resumes with --resume auto, and class_indices.json holds the
-    characters themselves (UTF-8), not \\uXXXX escapes a person cannot read."""
+    TensorBoard, checkpoints the names, resumes with --resume auto, predict.py names them, and
+    class_indices.json holds the characters themselves (UTF-8), not \\uXXXX escapes a person cannot read."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     names = ("玫瑰", "郁金香", "雏菊")
     data = make_image_folder(tmp_path / "花", classes=names)
@@ -258,3 +258,12 @@ def test_chinese_class_names_train_resume_and_stay_readable(tmp_path):
     assert state["classes"] == classes and state["epoch"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]
+
+    # predict.py names the classes as they are written, in its table and in its JSON.
+    pred = run_entry("predict.py", out / "checkpoints" / "last.pt", data / "雏菊", "--device", "cpu",
+                     "--out", out / "预测.json")
+    assert pred.returncode == 0, (pred.stdout + pred.stderr)[-4000:]
+    assert any(name in pred.stdout for name in names), pred.stdout
+    raw = (out / "预测.json").read_bytes().decode("utf-8")
+    assert "\\u" not in raw and len(json.loads(raw)) == 6
+    assert {t["class"] for row in json.loads(raw) for t in row["top"]} == set(names)
