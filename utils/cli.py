@@ -6,10 +6,13 @@ import argparse
 import functools
 import os
 import sys
+import time
 import traceback
 
 from utils.distributed_utils import cleanup
 from utils.errors import UserError, one_line
+
+SHARED_ERROR_GRACE_S = 5
 
 
 def debug_enabled():
@@ -31,6 +34,10 @@ def cli_entry(main):
             launch_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
             if not (getattr(e, "every_rank", False) and launch_rank != "0"):
                 print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+            elif "TORCHELASTIC_RUN_ID" in os.environ:
+                # torchrun stops every worker as soon as one exits; a moment's wait lets rank 0,
+                # which alone prints a shared error, get there (under load it can be seconds behind).
+                time.sleep(SHARED_ERROR_GRACE_S)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
