@@ -361,14 +361,85 @@ def build_datasets(data_cfg, eval_only=False):
     return ImageList(split.train, train_tf, known_bad=known_bad, **opts), held_out, split.classes
 
 
-def epoch_sampler(dataset, seed, num_replicas=1, rank=0):
-    """Shuffled order that depends only on (seed, epoch), set with set_epoch().
+def _dataset_labels(dataset):
+    """The class index of every sample: ImageList's .samples, or a .targets/.labels attribute."""
+    if hasattr(dataset, "samples"):
+        return [label for _, label in dataset.samples]
+    for attr in ("targets", "labels"):
+        if hasattr(dataset, attr):
+            return list(getattr(dataset, attr))
+    raise TypeError(f"{type(dataset).__name__} has no .samples, .targets or .labels to balance classes by")
+
+
+def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
+    """Training order that depends only on (seed, epoch), set with set_epoch().
 
     A fixed order per epoch is what lets a resumed run see the same batches as
-    an uninterrupted one. With num_replicas > 1 it hands each rank a disjoint
-    shard (it is DistributedSampler, padded to equal length).
+    an uninterrupted one. With num_replicas > 1 each rank gets a disjoint shard
+    of equal length. kind (data.sampler):
+      shuffle   each image once per epoch (DistributedSampler, its last shard padded with repeats);
+      balanced  every class drawn equally often, rare classes repeating (BalancedSampler);
+                an epoch has as many steps as with shuffle.
     """
-    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    if kind == "shuffle":
+        return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    if kind == "balanced":
+        return BalancedSampler(_dataset_labels(dataset), seed, num_replicas, rank)
+    raise ValueError(f"unknown sampler kind {kind!r}; expected 'shuffle' or 'balanced'")
+
+
+class BalancedSampler(Sampler):
+    """Class-balanced order for DDP, a function of (seed, epoch) only, set with set_epoch().
+
+    One epoch is T = ceil(N / W) * W draws (N images, W ranks: as many steps as
+    DistributedSampler), and rank r takes positions r, r+W, r+2W, ... of it.
+    Each of the C classes present in `labels` fills floor(T/C) or ceil(T/C) of
+    the T slots, so over all ranks every class count is within 1 of T/C (the
+    tolerance; one rank's share is balanced only on average). Which classes get
+    the extra slot starts at a random offset each epoch. Within a class, images
+    come from fresh random permutations of it, one after another: a class with
+    enough images repeats none, a rare one repeats each image equally often, +-1.
+    Every rank computes the same sequence from its own generator; nothing else
+    is kept between epochs, so a fresh iterator replays the epoch exactly
+    (mid-epoch resume skips batches of it).
+    """
+
+    def __init__(self, labels, seed=0, num_replicas=1, rank=0):
+        labels = torch.as_tensor(labels, dtype=torch.long)
+        _, sizes = torch.unique(labels, return_counts=True)
+        # Image indices of each class present, in index order: O(N log N), not one pass per class.
+        self.members = torch.argsort(labels, stable=True).split(sizes.tolist())
+        self.seed, self.num_replicas, self.rank, self.epoch = seed, num_replicas, rank, 0
+        self.total = -(-len(labels) // num_replicas) * num_replicas
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.total // self.num_replicas
+
+    def epoch_order(self):
+        """The whole epoch's sequence of dataset indices, all ranks' shares interleaved."""
+        if not self.members:
+            return torch.zeros(0, dtype=torch.long)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)  # as DistributedSampler derives it
+        n_cls = len(self.members)
+        base, extra = divmod(self.total, n_cls)
+        slots = torch.full((n_cls,), base)
+        # A fixed set of classes with the extra slot would favour them every epoch; rotate it.
+        offset = int(torch.randint(n_cls, (1,), generator=g))
+        slots[(offset + torch.arange(extra)) % n_cls] += 1
+        picks = []
+        for idx, n in zip(self.members, slots.tolist()):
+            cycles = -(-n // len(idx))
+            # `cycles` independent permutations in one op (float64 keys: ties are negligible).
+            perms = torch.rand(cycles, len(idx), generator=g, dtype=torch.float64).argsort(dim=1, stable=True)
+            picks.append(idx[perms.flatten()[:n]])
+        order = torch.cat(picks)
+        return order[torch.randperm(len(order), generator=g)]
+
+    def __iter__(self):
+        return iter(self.epoch_order()[self.rank::self.num_replicas].tolist())
 
 
 class ShardSampler(Sampler):
