@@ -273,6 +273,12 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
             print(report)
     if img_size:
         _probe(model, model_cfg.name, img_size)
+    if model_cfg.bn_momentum is not None:
+        # MobileNetV3 and EfficientNet use 0.01, tuned for ImageNet's long schedules: after a few
+        # hundred steps their running statistics still lag the weights, and evaluation suffers.
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.momentum = model_cfg.bn_momentum
     if model_cfg.freeze_layers:
         head = freeze_all_but_head(model, num_classes)
         if verbose:
@@ -302,7 +308,7 @@ def load_trained(source):
     """A run directory or checkpoint of train*.py -> (eval-mode CPU model, class names, its config dict).
 
     Everything comes from the checkpoint itself: architecture, classes, image sizes.
-    EMA weights ("ema"), when the checkpoint holds them, are used instead of the raw ones.
+    The EMA weights ("ema") are used when they made the checkpoint's best accuracy ("best_weights").
     """
     path = checkpoint_path(source)
     state = load_checkpoint(path, map_location="cpu")  # weights_only: pickled code is refused
@@ -312,7 +318,7 @@ def load_trained(source):
         raise UserError(f"checkpoint '{path}' holds no model name or class list; was it written by train*.py?")
     model = create_model(name, num_classes=len(classes), img_size=(config.get("data") or {}).get("img_size"))
     ema = state.get("ema")
-    weights = ema if isinstance(ema, dict) and ema else state["model"]
+    weights = ema if isinstance(ema, dict) and ema and state.get("best_weights") == "ema" else state["model"]
     try:
         model.load_state_dict(strip_wrapper_prefixes(weights))
     except RuntimeError as e:

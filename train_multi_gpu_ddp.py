@@ -36,7 +36,7 @@ def main(argv=None):
 
     # -- data: a disjoint shard per rank, reshuffled each epoch (set_epoch in fit); exact, unpadded val shards --
     train_set, val_set, classes = build_datasets(cfg.data, eval_only=cfg.eval_only)
-    train_sampler = epoch_sampler(train_set, cfg.train.seed, world, rank)
+    train_sampler = epoch_sampler(train_set, cfg.train.seed, world, rank, kind=cfg.data.sampler)
     train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
     val_sampler = ShardSampler(val_set, world, rank)
     val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)

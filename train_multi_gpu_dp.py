@@ -44,7 +44,7 @@ def main(argv=None):
 
     # -- data: one process loads the global batch, DataParallel splits it --
     train_set, val_set, classes = build_datasets(cfg.data, eval_only=cfg.eval_only)
-    train_sampler = epoch_sampler(train_set, cfg.train.seed)
+    train_sampler = epoch_sampler(train_set, cfg.train.seed, kind=cfg.data.sampler)
     train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
     val_sampler = ShardSampler(val_set)
     val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)

@@ -10,6 +10,8 @@ single-process runs of the same functions (imported from this file).
 Not a product file: the template never imports it.
 """
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,7 +27,9 @@ from data import ShardSampler, build_datasets, epoch_sampler, make_loader, split
 from model import build_model  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.distributed_utils import DistInfo, cleanup, convert_sync_bn, init_distributed_mode  # noqa: E402
+from utils import engine  # noqa: E402
 from utils.engine import evaluate, fit  # noqa: E402
+from utils.errors import UserError  # noqa: E402
 
 PER_RANK_BATCH = 2      # DDP batch per process in the gradient test; the single run uses world x this
 TRAIN_LR = 0.05         # optim.lr of the DDP run; scale_lr makes it world x this
@@ -61,11 +65,12 @@ class RecordingSet(Dataset):
         return self.images[i], int(self.labels[i])
 
 
-def fit_tiny(dist_info, run_dir, batch_size, lr, epochs=2):
+def fit_tiny(dist_info, run_dir, batch_size, lr, epochs=2, accum=1, log_every=2, resume=None):
     """The project's fit() on TinyNet, DDP-wrapped when distributed; returns what the ranks saw."""
     cfg = load_config(["--device", "cpu", "data.num_workers=0", f"train.epochs={epochs}",
                        f"train.batch_size={batch_size}", f"optim.lr={lr}", "optim.scale_lr=true",
-                       "train.log_every=2", "--output-dir", str(run_dir)])
+                       f"train.log_every={log_every}", f"train.accum_steps={accum}", "--output-dir", str(run_dir)]
+                      + (["--resume", resume] if resume else []))
     world, rank, device = dist_info.world_size, dist_info.rank, dist_info.device
     train_set, val_set = RecordingSet(TINY_TRAIN, seed=1), RecordingSet(TINY_VAL, seed=2)
     train_loader = make_loader(train_set, batch_size, epoch_sampler(train_set, cfg.train.seed, world, rank),
@@ -77,7 +82,33 @@ def fit_tiny(dist_info, run_dir, batch_size, lr, epochs=2):
     if dist_info.distributed:
         model = DDP(model)
     result = fit(cfg, model, train_loader, val_loader, [str(c) for c in range(5)], dist_info, script_name="t")
-    return {"seen": train_set.seen, "steps_per_epoch": len(train_loader), "last": result["last"]}
+    return {"seen": train_set.seen, "steps_per_epoch": len(train_loader) // accum, "last": result["last"]}
+
+
+def fit_accumulated(dist_info, out):
+    """fit_tiny with train.accum_steps=2 straight through, and again stopped by a SIGTERM on rank 0
+    in the middle of epoch 2 (between the micro-batches of a step) and resumed from its last.pt."""
+    straight = fit_tiny(dist_info, out / "accum", PER_RANK_BATCH, TRAIN_LR, accum=2, log_every=1)
+    calls, real = [0], engine._to_device
+
+    def signal_in_epoch_2(*args, **kwargs):
+        if torch.is_grad_enabled():  # a training batch, not evaluation
+            calls[0] += 1
+            if dist_info.rank == 0 and calls[0] == straight["steps_per_epoch"] * 2 + 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    engine._to_device = signal_in_epoch_2
+    try:
+        fit_tiny(dist_info, out / "accum_resumed", PER_RANK_BATCH, TRAIN_LR, accum=2, log_every=1)
+        stopped_at = None
+    except (UserError, SystemExit):
+        ckpt = torch.load(out / "accum_resumed" / "checkpoints" / "last.pt", weights_only=True)
+        stopped_at = [ckpt["epoch"], ckpt["epoch_step"], ckpt["global_step"]]
+    finally:
+        engine._to_device = real
+    fit_tiny(dist_info, out / "accum_resumed", PER_RANK_BATCH, TRAIN_LR, accum=2, log_every=1, resume="auto")
+    return {**straight, "stopped_at": stopped_at}
 
 
 def eval_fixed(dist_info, image_root):
@@ -150,6 +181,7 @@ def main(argv):
                 "split": split_and_shards(dist_info, image_root),
                 "eval": eval_fixed(dist_info, image_root),
                 "fit": fit_tiny(dist_info, out / "fit", PER_RANK_BATCH, TRAIN_LR),
+                "accum": fit_accumulated(dist_info, out),
             }
     finally:
         cleanup()

@@ -1,9 +1,11 @@
 """utils/optim.py: the optimizer (sgd; adamw without decay on norms and biases), the warm-up +
 cosine schedule, the linear lr scaling with world size, the autocast dtype choice, loss scaling,
-the DataParallel autocast wrapper, and the loop's optim.label_smoothing and optim.clip_grad_norm.
+the DataParallel autocast wrapper, and the loop's optim.label_smoothing, optim.clip_grad_norm,
+optim.class_weights, data.mixup_alpha / data.cutmix_alpha, train.ema_decay and train.accum_steps.
 
     python -m pytest tests/test_optim.py -q
 """
+import copy
 import inspect
 import threading
 
@@ -13,7 +15,9 @@ import torch
 from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fixture
 from utils.config import load_config
 from utils.engine import train_one_epoch
-from utils.optim import AutocastForward, build_optimizer, build_scaler, build_scheduler, resolve_amp
+from utils.errors import UserError
+from utils.optim import (AutocastForward, WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler,
+                         class_weights, resolve_amp)
 from utils.run_logger import RunLogger
 
 CPU = torch.device("cpu")
@@ -295,13 +299,111 @@ def test_clip_caps_the_measured_norm_and_logs_the_unclipped_one(monkeypatch, fp1
     assert len(logged) == 3 and min(logged) > 0.05
 
 
-def test_clipping_adds_no_per_step_host_sync(sync_log):
+def test_recipe_options_add_no_per_step_host_sync(sync_log):
+    """Clipping, label smoothing, class weights, the EMA update and accumulation read nothing back
+    per batch. MixUp's only reads are torchvision drawing its mixing weight from a CPU distribution
+    (torchvision/transforms/v2/_augment.py), never a tensor of the device."""
     data = batches(6)
     loader = MarkingLoader(data, sync_log)
     model = small_net()
     opt = build_optimizer(model, optim_cfg(lr=0.1))
-    sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 6)
+    sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 3)
     train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, log_every=100,
-                    clip_grad_norm=0.05, label_smoothing=0.1)
-    per_step = [sync_log[a:b] for a, b in zip(loader.marks, loader.marks[1:])]
-    assert per_step == [[]] * 5
+                    clip_grad_norm=0.05, label_smoothing=0.1, class_weight=torch.tensor([1.0, 2.0, 0.5]),
+                    ema=WeightEMA(model, 0.9), accum_steps=2, mix=batch_mixer(0.4, 0.0, 3))
+    per_batch = [sync_log[a:b] for a, b in zip(loader.marks, loader.marks[1:])]
+    assert len(per_batch) == 5 and all(set(reads) <= {("__float__", "_augment.py")} for reads in per_batch), per_batch
+
+
+def test_auto_class_weights_are_inverse_frequency_and_weight_the_loss():
+    labels = [0] * 6 + [1] * 2 + [2]  # N = 9 over C = 3 classes
+    weights = class_weights("auto", labels, 3, CPU)
+    assert weights.tolist() == pytest.approx([9 / (3 * 6), 9 / (3 * 2), 9 / (3 * 1)])
+    data = [(batches()[0][0], torch.tensor([0, 0, 1, 2]))]
+    model = small_net().eval()  # eval: the same normalisation in the loop and here
+    nll = -torch.log_softmax(model(data[0][0]), dim=1)[torch.arange(4), data[0][1]].detach()
+    w = weights[data[0][1]]
+    expected = (w * nll).sum() / w.sum()  # torch's weighted mean: sum_i w_yi * nll_i / sum_i w_yi
+    model.train = lambda mode=True: model
+    out, _, _ = one_epoch(model, data, class_weight=weights)
+    assert out["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert abs(out["train_loss"] - nll.mean().item()) > 1e-2  # the weights did change the loss
+    assert class_weights([1, 2.5, 3], labels, 3, CPU).tolist() == [1.0, 2.5, 3.0]
+    assert class_weights("none", labels, 3, CPU) is None
+    with pytest.raises(UserError, match="has 3 weights, the data has 4 classes"):
+        class_weights([1, 2, 3], labels, 4, CPU)
+
+
+@pytest.mark.parametrize("mixup, cutmix", [(0.4, 0.0), (0.0, 1.0), (0.4, 1.0)])
+def test_mixup_and_cutmix_train_on_soft_targets(mixup, cutmix):
+    data = batches(size=8)
+    model = small_net().eval()
+    images, labels = data[0]
+    torch.manual_seed(5)
+    mixed, soft = batch_mixer(mixup, cutmix, 3)(images, labels)
+    assert soft.shape == (8, 3) and torch.allclose(soft.sum(dim=1), torch.ones(8))
+    assert (soft.max(dim=1).values < 1).any()  # mixed labels (a pair of one class stays one-hot)
+    expected = torch.nn.functional.cross_entropy(model(mixed), soft).item()
+    plain = torch.nn.functional.cross_entropy(model(images), labels).item()
+    model.train = lambda mode=True: model
+    torch.manual_seed(5)  # the loop draws from the global generator, as the per-epoch seeding sets it
+    out, _, _ = one_epoch(model, data, mix=batch_mixer(mixup, cutmix, 3))
+    assert out["train_loss"] == pytest.approx(expected, rel=1e-6)
+    assert abs(out["train_loss"] - plain) > 1e-3
+    assert batch_mixer(0.0, 0.0, 3) is None
+
+
+class Snapshots:
+    """A list of batches that records the model's weights each time the loop takes the next one:
+    by then the previous optimizer step (and its EMA update) is done."""
+
+    def __init__(self, batches, model):
+        self.batches, self.model, self.states = batches, model, []
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.states.append({k: v.double().clone() for k, v in self.model.state_dict().items()})
+            yield batch
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_ema_equals_a_hand_computed_average_of_the_weights(accum):
+    """ema_0 = w_0, ema_k = d * ema_(k-1) + (1 - d) * w_k after every optimizer step k, for the
+    parameters and the BatchNorm statistics alike; with accumulation, once per step, not per batch."""
+    decay, model = 0.8, small_net()
+    loader = Snapshots(batches(6), model)
+    ema = WeightEMA(model, decay)
+    opt = build_optimizer(model, optim_cfg(lr=0.1))
+    sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 6 // accum)
+    out = train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, ema=ema, accum_steps=accum)
+    assert out["global_step"] == 6 // accum
+    weights = loader.states[::accum] + [{k: v.double() for k, v in model.state_dict().items()}]
+    hand = copy.deepcopy(weights[0])
+    for w in weights[1:]:
+        hand = {k: decay * hand[k] + (1 - decay) * w[k] for k in hand}
+    averaged = ema.module.state_dict()
+    for k, v in averaged.items():
+        if v.is_floating_point():
+            assert torch.allclose(v.double(), hand[k], rtol=1e-5, atol=1e-7), k
+        else:  # BatchNorm's step count is copied, not averaged
+            assert torch.equal(v, model.state_dict()[k]), k
+    assert not any(p.requires_grad for p in ema.module.parameters())
+    moved = max((averaged[k].double() - w).norm().item() / w.norm().item() for k, w in weights[-1].items()
+                if w.is_floating_point() and w.norm() > 0)
+    assert moved > 1e-2  # the average lags the weights: the comparison above is not with the weights themselves
+
+
+def test_accumulation_trains_whole_steps_and_leaves_a_short_tail_out():
+    """5 batches at accum_steps=2: 2 optimizer steps of 2 batches; the 5th batch is not even loaded."""
+    loader = MarkingLoader(batches(5), [])
+    model = small_net()
+    opt = build_optimizer(model, optim_cfg(lr=0.1))
+    sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 2)
+    steps = []
+    opt.register_step_post_hook(lambda *a: steps.append(1))
+    out = train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, accum_steps=2)
+    assert (len(steps), out["global_step"], len(loader.marks)) == (2, 2, 4)
+    assert sched.last_epoch == 2  # the schedule counts optimizer steps

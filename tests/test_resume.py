@@ -13,6 +13,7 @@ import shlex
 import signal
 
 import pytest
+import torch
 
 import train
 from _resume_utils import assert_same_run, load, metrics, one_thread, run_args, run_main  # noqa: F401
@@ -117,3 +118,40 @@ def test_resume_auto_starts_fresh_in_an_empty_directory_and_a_restart_needs_outp
     args = [a for a in run_args(data, out, epochs=1) if a not in ("--output-dir", str(out))]
     assert run_main(train, args, monkeypatch) == 2
     assert "no fixed --output-dir" in capsys.readouterr().err
+
+
+# Every recipe option that keeps state or draws random numbers, at once: the EMA of the weights,
+# the balanced sampler, accumulation (2 batches per step), MixUp/CutMix, auto class weights.
+RECIPE = ["train.ema_decay=0.9", "data.sampler=balanced", "train.accum_steps=2", "data.mixup_alpha=0.4",
+          "data.cutmix_alpha=1.0", "optim.class_weights=auto"]
+
+
+@pytest.mark.slow
+def test_recipe_options_resume_mid_step_bit_for_bit(data, tmp_path, monkeypatch, capsys):
+    """A SIGINT between the two batches of a step in epoch 2: the run stops at that step's end and
+    the resumed run ends with the same weights, EMA weights, optimizer and metrics as a straight one."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    assert run_main(train, run_args(data, straight, *RECIPE, epochs=2), monkeypatch) == 0
+    real_to_device, batches = engine._to_device, []
+
+    def to_device_then_signal(*a, **k):
+        if engine.torch.is_grad_enabled():
+            batches.append(1)
+            if len(batches) == 6 + 3:  # the first batch of epoch 2's second step (3 steps of 2 batches)
+                os.kill(os.getpid(), signal.SIGINT)
+        return real_to_device(*a, **k)
+
+    monkeypatch.setattr(engine, "_to_device", to_device_then_signal)
+    code = run_main(train, run_args(data, out, *RECIPE, epochs=2), monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGINT, err
+    state = load(out / "checkpoints" / "last.pt")
+    assert (state["epoch"], state["epoch_step"], state["global_step"]) == (1, 4, 5)  # on the step's boundary
+    monkeypatch.setattr(engine, "_to_device", real_to_device)
+    assert run_main(train, _resume_from_message(err), monkeypatch) == 0
+    assert_same_run(straight, out)
+    a, b = load(straight / "checkpoints" / "last.pt"), load(out / "checkpoints" / "last.pt")
+    assert a["ema"].keys() == b["ema"].keys()
+    for k in a["ema"]:
+        assert torch.equal(a["ema"][k], b["ema"][k]), f"EMA tensor {k} differs"
+    assert a["best_weights"] == b["best_weights"] and "val_acc_ema" in metrics(out)[-1]

@@ -13,7 +13,8 @@ layout (seed, world size, batch size: the per-epoch order is a function of
 these), and per rank the random states (Python, NumPy, torch CPU and CUDA)
 plus, for a checkpoint written mid-epoch, the steps already done in that epoch
 and their loss sums, so a resumed run ends bit-for-bit where an uninterrupted
-one would.
+one would. With train.ema_decay it also holds the EMA of the weights ("ema"),
+and "best_weights" says which of the two scored best_acc.
 
 A save goes to a temporary file in the same directory, is fsynced and renamed
 over the old one, so a process killed mid-write leaves the previous checkpoint
@@ -125,19 +126,22 @@ def atomic_copy(src, dst):
 
 
 def make_state(model, optimizer, scheduler, scaler, epoch, global_step, best_acc, config, classes,
-               ranks=None, epoch_step=0, epoch_lr=None, data=None):
+               ranks=None, epoch_step=0, epoch_lr=None, data=None, ema=None, best_weights="model"):
     """The checkpoint dict. `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
-    (gather_rank_states); `epoch_step` > 0 marks a checkpoint written mid-epoch."""
-    return {
+    (gather_rank_states); `epoch_step` > 0 marks a checkpoint written mid-epoch. With an EMA
+    (utils.optim.WeightEMA) its weights are kept under "ema"."""
+    extra = {"ema": strip_wrapper_prefixes(ema.module.state_dict())} if ema is not None else {}
+    return {**extra,
         "model": strip_wrapper_prefixes(unwrap(model).state_dict()),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "epoch": epoch,                 # epochs completed; a resumed run starts at this index
-        "epoch_step": epoch_step,       # steps of epoch `epoch` already trained (0: at an epoch boundary)
+        "epoch_step": epoch_step,       # loader batches of epoch `epoch` already trained (0: at an epoch boundary)
         "epoch_lr": epoch_lr,           # lr at the start of that epoch, for its metrics line
         "global_step": global_step,
         "best_acc": best_acc,
+        "best_weights": best_weights,   # which weights scored best_acc: "model", or "ema" (train.ema_decay)
         "config": config,
         "classes": list(classes),
         "data": data or {},             # seed, world_size, batch_size, steps_per_epoch: the data order
@@ -235,8 +239,9 @@ def check_compatible(state, model, classes, model_name=None):
         raise UserError(f"checkpoint is for another model: {what}")
 
 
-def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None):
+def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None, ema=None):
     """Load a full checkpoint into the run's objects; refuse one of another model or class list.
+    `ema` (a WeightEMA) gets the checkpoint's average, or, if it holds none, restarts from its weights.
 
     The scheduler's state includes its schedule (WarmupCosine's total steps), so
     a resumed run keeps the schedule it started with.
@@ -249,6 +254,10 @@ def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None
     # an fp16 run resumed from it starts its loss scale afresh.
     if state["scaler"]:
         scaler.load_state_dict(state["scaler"])
+    if ema is not None and state.get("ema"):
+        ema.module.load_state_dict(state["ema"])
+    elif ema is not None:
+        ema.reset()
     return state["epoch"], state["global_step"], state["best_acc"]
 
 
@@ -274,10 +283,16 @@ def resume_command(run_dir, world_size=1, local_world_size=1, argv=None):
                      "--resume", "auto", *map(shlex.quote, kept)])
 
 
-def data_layout(seed, world_size, batch_size, steps_per_epoch, train_images):
-    """What fixes the per-epoch batch order: a mid-epoch resume needs all of it unchanged."""
+# What a checkpoint written before a layout key existed had: its value then.
+_LAYOUT_BEFORE = {"accum_steps": 1, "sampler": "shuffle"}
+
+
+def data_layout(seed, world_size, batch_size, steps_per_epoch, train_images, accum_steps=1, sampler="shuffle"):
+    """What fixes the per-epoch batch order: a mid-epoch resume needs all of it unchanged.
+    steps_per_epoch counts optimizer steps (accum_steps batches each)."""
     return {"seed": seed, "world_size": world_size, "batch_size": batch_size,
-            "steps_per_epoch": steps_per_epoch, "train_images": train_images}
+            "steps_per_epoch": steps_per_epoch, "train_images": train_images,
+            "accum_steps": accum_steps, "sampler": sampler}
 
 
 def resume_point(state, rank, layout):
@@ -294,7 +309,8 @@ def resume_point(state, rank, layout):
     if not state.get("epoch_step"):
         return rng, None, None
     theirs = state.get("data") or {}
-    changed = [f"{k} {theirs.get(k)} -> {v}" for k, v in layout.items() if theirs.get(k) != v]
+    changed = [f"{k} {theirs.get(k, _LAYOUT_BEFORE.get(k))} -> {v}" for k, v in layout.items()
+               if theirs.get(k, _LAYOUT_BEFORE.get(k)) != v]
     if changed or not same_world:
         return rng, None, (f"note: the checkpoint was written at step {state['epoch_step']} of epoch "
                            f"{state['epoch'] + 1} and the batch order has changed since "
@@ -309,19 +325,19 @@ class Checkpointer:
     """Saves the run's objects; `save` is called by every rank (it gathers every rank's state)."""
 
     def __init__(self, ckpt_dir, model, optimizer, scheduler, scaler, config, classes, layout,
-                 keep_last, rank, device):
-        self.ckpt_dir, self.model, self.optimizer = Path(ckpt_dir), model, optimizer
+                 keep_last, rank, device, ema=None):
+        self.ckpt_dir, self.model, self.optimizer, self.ema = Path(ckpt_dir), model, optimizer, ema
         self.scheduler, self.scaler, self.config, self.classes = scheduler, scaler, config, classes
         self.layout, self.keep_last, self.rank, self.device = layout, keep_last, rank, device
 
     def save(self, epoch, global_step, best_acc, is_best=False, epoch_step=0, loss_sum=0.0,
-             images_seen=0, epoch_lr=None):
+             images_seen=0, epoch_lr=None, best_weights="model"):
         ranks = gather_rank_states({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
         error = None
         if self.rank == 0:
             state = make_state(self.model, self.optimizer, self.scheduler, self.scaler, epoch, global_step,
                                best_acc, self.config, self.classes, ranks=ranks, epoch_step=epoch_step,
-                               epoch_lr=epoch_lr, data=self.layout)
+                               epoch_lr=epoch_lr, data=self.layout, ema=self.ema, best_weights=best_weights)
             try:
                 # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
                 save_checkpoint(state, self.ckpt_dir, is_best, self.keep_last if epoch_step == 0 else 0)

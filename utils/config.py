@@ -15,7 +15,7 @@ import argparse
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -45,6 +45,9 @@ class DataConfig:
     bad_image: str = MISSING
     verify: bool = MISSING
     max_image_pixels: int = MISSING
+    sampler: str = MISSING
+    mixup_alpha: float = MISSING
+    cutmix_alpha: float = MISSING
 
 
 @dataclass
@@ -55,6 +58,7 @@ class ModelConfig:
     freeze_layers: bool = MISSING
     sync_bn: bool = MISSING
     channels_last: bool = MISSING
+    bn_momentum: Optional[float] = MISSING
 
 
 @dataclass
@@ -68,6 +72,7 @@ class OptimConfig:
     scale_lr: bool = MISSING
     label_smoothing: float = MISSING
     clip_grad_norm: float = MISSING
+    class_weights: Any = MISSING
 
 
 @dataclass
@@ -83,6 +88,8 @@ class TrainConfig:
     compile: bool = MISSING
     worst_images: int = MISSING
     figures: bool = MISSING
+    accum_steps: int = MISSING
+    ema_decay: float = MISSING
 
 
 @dataclass
@@ -126,6 +133,7 @@ CHOICES = {
     "train.amp": ("auto", "bf16", "fp16", "off"),
     "data.pipeline": ("pil", "gpu", "auto"),
     "data.bad_image": ("warn", "error"),
+    "data.sampler": ("shuffle", "balanced"),
     "ddp.backend": ("auto", "nccl", "gloo"),
 }
 
@@ -241,6 +249,22 @@ def _check_ranges(cfg):
         bad("optim.label_smoothing", f"{cfg.optim.label_smoothing}; must be in [0, 1)")
     if cfg.optim.clip_grad_norm < 0:
         bad("optim.clip_grad_norm", f"{cfg.optim.clip_grad_norm}; 0 (off) or a positive norm")
+    if cfg.train.accum_steps < 1:
+        bad("train.accum_steps", f"{cfg.train.accum_steps}; 1 (no accumulation) or more micro-batches per step")
+    if not 0.0 <= cfg.train.ema_decay < 1.0:
+        bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
+    for key in ("data.mixup_alpha", "data.cutmix_alpha"):
+        if OmegaConf.select(cfg, key) < 0:
+            bad(key, f"{OmegaConf.select(cfg, key)}; 0 (off) or a positive Beta(alpha, alpha) parameter")
+    if cfg.model.bn_momentum is not None and not 0.0 < cfg.model.bn_momentum <= 1.0:
+        bad("model.bn_momentum", f"{cfg.model.bn_momentum}; null (the architecture's own) or in (0, 1]")
+    weights = cfg.optim.class_weights
+    if OmegaConf.is_list(weights):
+        if not weights or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0
+                                  for w in weights):
+            bad("optim.class_weights", f"{list(weights)}; a list needs one positive number per class")
+    elif weights not in ("none", "auto"):
+        bad("optim.class_weights", f"'{weights}'; choose none, auto, or a list of one weight per class")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:

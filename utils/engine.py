@@ -7,6 +7,8 @@ resume, epochs, exact distributed evaluation, checkpoints and logs.
 Per step nothing is copied back to the host: losses are summed on the device
 and read once per `train.log_every` steps, where a NaN/inf is also caught.
 """
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -22,7 +24,8 @@ from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects,
                                      reduce_min, reduce_value)
 from utils.errors import RUNTIME_EXIT, UserError
-from utils.optim import build_optimizer, build_scaler, build_scheduler, place_schedule, resolve_amp
+from utils.optim import (WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler, class_weights,
+                         place_schedule, resolve_amp)
 from utils.run_logger import RunLogger
 from utils.stop import StopRequest
 
@@ -46,18 +49,23 @@ def _to_device(images, labels, device, channels_last):
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, *, amp_dtype=None,
                     channels_last=False, log_every=20, global_step=0, world_size=1, logger=None,
                     resume=None, stop=None, save_every=0, save_step=None, epochs=None, first_batch=None,
-                    label_smoothing=0.0, clip_grad_norm=0.0):
+                    label_smoothing=0.0, clip_grad_norm=0.0, accum_steps=1, class_weight=None, mix=None,
+                    ema=None):
     """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step.
 
+    Steps are optimizer steps: each takes `accum_steps` batches of the loader (under DDP the
+    gradients are all-reduced on the last of them only); a tail of fewer batches is not trained.
+    `global_step`, `log_every` and `save_every` count optimizer steps.
     resume: a mid-epoch checkpoint's point (checkpoint.resume_point) to continue from.
     stop: a StopRequest; when any rank has one, all stop at the same window boundary.
-    save_step(epoch_step, global_step, loss_sum, images_seen): called by every rank at the
+    save_step(epoch_batch, global_step, loss_sum, images_seen): called by every rank at the
     first window boundary after each `save_every` steps, and on a stop; then "stopped" is set.
-    first_batch(images, labels): called with the epoch's first batch as the model gets it (the
-    augmented-samples picture); not called when the epoch is resumed past its first step.
-    label_smoothing: of the training loss. clip_grad_norm (> 0): the gradients' total norm is
+    first_batch(images, labels): called with the epoch's first batch, before any MixUp/CutMix
+    (the augmented-samples picture); not called when the epoch is resumed past its first step.
+    label_smoothing, class_weight: of the training loss. mix(images, labels) -> (images, soft
+    targets): utils.optim.batch_mixer. clip_grad_norm (> 0): the gradients' total norm is
     clipped to it (after unscaling under fp16); its pre-clip value is summed on the device and
-    logged per window as train/grad_norm.
+    logged per window as train/grad_norm. ema: a utils.optim.WeightEMA updated after every step.
     """
     model.train()
     logger = logger or RunLogger(".", enabled=False)
@@ -66,7 +74,10 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
     first_bad = torch.full((), _NO_BAD_STEP, device=device, dtype=torch.long)
     norm_sum = torch.zeros((), device=device, dtype=torch.float64)
     clipped = [p for g in optimizer.param_groups for p in g["params"]] if clip_grad_norm else []
-    images_seen, window_steps = 0, 0
+    # DDP's no_sync: the non-final micro-batches only add to the local gradients.
+    no_sync = getattr(model, "no_sync", None) if accum_steps > 1 else None
+    used = len(loader) // accum_steps * accum_steps  # batches that make whole optimizer steps
+    images_seen, window_steps, window_batches, window_images = 0, 0, 0, 0
     batches, skip = iter(loader), 0
     if resume is not None:
         # Draw and drop the batches already trained: the sampler order and the augmentation's
@@ -80,21 +91,22 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
     next_save = (global_step // save_every + 1) * save_every if save_every else None
     start = window_start = time.perf_counter()
     label = f"epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")
-    bar = logger.progress(batches, len(loader) - skip, f"{label} train")
+    optimizer.zero_grad(set_to_none=True)
+    # islice: a tail that makes no whole step is not even loaded.
+    bar = logger.progress(itertools.islice(batches, used - skip), used - skip, f"{label} train")
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, device, channels_last)
         if i == 0 and first_batch is not None:
             first_batch(images, labels)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = F.cross_entropy(model(images), labels, label_smoothing=label_smoothing)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        if clip_grad_norm:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-            norm_sum += torch.nn.utils.clip_grad_norm_(clipped, clip_grad_norm).double()  # no sync
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
+        targets = labels
+        if mix is not None:
+            images, targets = mix(images, labels)
+        stepping = (i + 1) % accum_steps == 0
+        with no_sync() if no_sync is not None and not stepping else contextlib.nullcontext():
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(images), targets, weight=class_weight, label_smoothing=label_smoothing)
+            # The summed micro-batch gradients then equal one batch of accum_steps x batch_size.
+            scaler.scale(loss / accum_steps if accum_steps > 1 else loss).backward()
 
         detached = loss.detach().double()
         loss_sum += detached * labels.shape[0]
@@ -102,26 +114,39 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
         # Remember the first non-finite step without a host sync: finite steps add a huge offset.
         first_bad = torch.minimum(first_bad, torch.isfinite(detached).long() * _NO_BAD_STEP + global_step)
         images_seen += labels.shape[0]
+        window_batches += 1
+        window_images += labels.shape[0]
+        if not stepping:
+            continue
+        if clip_grad_norm:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+            norm_sum += torch.nn.utils.clip_grad_norm_(clipped, clip_grad_norm).double()  # no sync
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update()
         window_steps += 1
         global_step += 1
 
-        last = i == len(loader) - 1
+        last = i == used - 1
         # One process needs nobody's agreement: it honours a stop request at the very next step.
         if window_steps == log_every or last or (world_size == 1 and stop is not None and stop.requested()):
             # The one host sync (and all-reduce) per window; every rank reaches it at the same step.
             # A stop request rides in the same all-reduce: no extra collective on the hot path.
             flag = window_sum.new_tensor(float(stop is not None and stop.requested()))
             summed = reduce_value(torch.stack([window_sum, flag, norm_sum]), average=False).tolist()
-            window_loss, stopping = summed[0] / (window_steps * world_size), summed[1] > 0
+            window_loss, stopping = summed[0] / (window_batches * world_size), summed[1] > 0
             if not math.isfinite(window_loss):
                 bad = reduce_min(first_bad).item()  # all ranks saw the same NaN sum, all join this
                 raise UserError(f"loss is {window_loss} at epoch {epoch + 1}, step {bad}; stopping. "
                                 "The last good checkpoint is kept. Try a lower --lr or train.amp=off.",
                                 exit_code=RUNTIME_EXIT, every_rank=True)
             now = time.perf_counter()
-            speed = window_steps * labels.shape[0] * world_size / max(now - window_start, 1e-9)
-            eta = (now - start) / (i + 1 - skip) * (len(loader) - i - 1)  # to the end of this epoch
-            logger.window(bar, label, i + 1, len(loader), window_loss, speed, optimizer.param_groups[0]["lr"], eta)
+            speed = window_images * world_size / max(now - window_start, 1e-9)
+            eta = (now - start) / (i + 1 - skip) * (used - i - 1)  # to the end of this epoch
+            logger.window(bar, label, i + 1, used, window_loss, speed, optimizer.param_groups[0]["lr"], eta)
             logger.scalar("train/loss_step", window_loss, global_step)
             # The lr the window ended with (a Python float, no sync): warm-up and cosine show as curves.
             logger.scalar("train/lr", optimizer.param_groups[0]["lr"], global_step)
@@ -129,7 +154,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
                 logger.scalar("train/grad_norm", summed[2] / (window_steps * world_size), global_step)
                 norm_sum.zero_()
             window_sum.zero_()
-            window_steps, window_start = 0, now
+            window_steps, window_batches, window_images, window_start = 0, 0, 0, now
             # The epoch's last step is followed by evaluation and the epoch checkpoint anyway.
             if save_step is not None and not last and (stopping or (next_save and global_step >= next_save)):
                 save_step(i + 1, global_step, loss_sum.item(), images_seen)
@@ -306,25 +331,38 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     channels_last = cfg.model.channels_last and device.type == "cuda"
     # Steps run through `step_model`; checkpoints keep saving `model`'s plain (uncompiled) weights.
     step_model = compile_model(model) if cfg.train.compile else model
+    accum = cfg.train.accum_steps
+    steps = len(train_loader) // accum  # optimizer steps per epoch
+    if steps == 0:
+        raise UserError(f"train.accum_steps={accum} is more than the {len(train_loader)} batches of an epoch "
+                        "per process; lower it or --batch-size", every_rank=True)
     optimizer = build_optimizer(bare, cfg.optim, world, fused=amp_dtype == torch.float16)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, len(train_loader))
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps)
     scaler = build_scaler(amp_dtype, device)
-    layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, len(train_loader),
-                              len(train_loader.dataset))
-    start_epoch, global_step, best_acc, mid, notes = 0, 0, -1.0, None, []
+    ema = WeightEMA(bare, cfg.train.ema_decay) if cfg.train.ema_decay else None
+    class_weight = class_weights(cfg.optim.class_weights, [label for _, label in getattr(
+        train_loader.dataset, "samples", [])], len(classes), device)
+    mix = batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes))
+    layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, steps, len(train_loader.dataset),
+                              accum_steps=accum, sampler=cfg.data.sampler)
+    start_epoch, global_step, best_acc, best_weights, mid, notes = 0, 0, -1.0, "model", None, []
     if resume_path is not None:
         state, resume_state = resume_state, None
         start_epoch, global_step, best_acc = ckpt.restore(state, model, optimizer, scheduler, scaler, classes,
-                                                          model_name=cfg.model.name)
+                                                          model_name=cfg.model.name, ema=ema)
+        best_weights = state.get("best_weights", "model")
+        if ema is not None and not state.get("ema"):
+            notes.append("note: the checkpoint holds no EMA of the weights; train.ema_decay's average starts "
+                         "from its weights")
         rng, mid, note = ckpt.resume_point(state, rank, layout)
         notes += [note] if note else []
         their_steps = (state.get("data") or {}).get("steps_per_epoch")
-        if their_steps not in (None, len(train_loader)):
-            # Another world size (an elastic restart) or batch size: the schedule continues in this run's steps.
-            global_step = start_epoch * len(train_loader)
+        if their_steps not in (None, steps):
+            # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps.
+            global_step = start_epoch * steps
             place_schedule(scheduler, cfg.optim, world, (state.get("config") or {}).get("train", {}).get(
-                "epochs") or cfg.train.epochs, len(train_loader), global_step)
-            notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {len(train_loader)} "
+                "epochs") or cfg.train.epochs, steps, global_step)
+            notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {steps} "
                          f"({world} process(es)): the lr schedule continues from epoch {start_epoch + 1}'s start "
                          "in this run's steps")
         if rng is not None:
@@ -350,9 +388,12 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         logger.info(note)
     logger.info(f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val images, "
                 f"{len(classes)} classes, {world} process(es) on {device}, "
-                f"lr {optimizer.param_groups[0]['initial_lr']:.4g}, amp {amp_dtype or 'off'}")
+                f"lr {optimizer.param_groups[0]['initial_lr']:.4g}, amp {amp_dtype or 'off'}"
+                + (f", {accum} batches per step" if accum > 1 else ""))
+    if class_weight is not None:
+        logger.info("class weights: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(classes, class_weight.tolist())))
     saver = ckpt.Checkpointer(run_dir / "checkpoints", model, optimizer, scheduler, scaler, config_to_dict(cfg),
-                              classes, layout, cfg.train.keep_last, rank, device)
+                              classes, layout, cfg.train.keep_last, rank, device, ema=ema)
     stop = StopRequest().install()
     metrics = {}
     try:
@@ -365,7 +406,7 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
 
             def save_step(epoch_step, step, loss_sum, images_seen, epoch=epoch, lr=lr):
                 saver.save(epoch, step, best_acc, epoch_step=epoch_step, loss_sum=loss_sum,
-                           images_seen=images_seen, epoch_lr=lr)
+                           images_seen=images_seen, epoch_lr=lr, best_weights=best_weights)
 
             train = train_one_epoch(step_model, train_loader, optimizer, scheduler, scaler, device, epoch,
                                     amp_dtype=amp_dtype, channels_last=channels_last,
@@ -373,7 +414,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                                     world_size=world, logger=logger, resume=mid, stop=stop,
                                     save_every=cfg.train.save_every_steps, save_step=save_step,
                                     epochs=cfg.train.epochs, label_smoothing=cfg.optim.label_smoothing,
-                                    clip_grad_norm=cfg.optim.clip_grad_norm,
+                                    clip_grad_norm=cfg.optim.clip_grad_norm, accum_steps=accum,
+                                    class_weight=class_weight, mix=mix, ema=ema,
                                     first_batch=(lambda im, lb, s=global_step: sample_picture(
                                         logger, im, lb, classes, train_loader.dataset, s))
                                     if epoch == 0 and cfg.train.figures else None)
@@ -385,21 +427,31 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                            channels_last=channels_last, logger=logger,
                            worst_k=cfg.train.worst_images if cfg.train.figures else 0)
             worst = val.pop("val_worst", None)
+            if ema is not None:  # the average's own evaluation, beside the raw weights'
+                averaged = evaluate(ema.module, val_loader, device, len(classes), amp_dtype=amp_dtype,
+                                    channels_last=channels_last, logger=logger)
+                val.update({f"{k}_ema": averaged[k] for k in ("val_loss", "val_acc", "val_macro_f1")})
             # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
             val["bad_images"] = sum(ds.sync_bad_images() for ds in (train_loader.dataset, val_loader.dataset)
                                     if hasattr(ds, "sync_bad_images"))
-            is_best = val["val_acc"] > best_acc
-            best_acc = max(best_acc, val["val_acc"])
-            saver.save(epoch + 1, global_step, best_acc, is_best=is_best)
+            # With an EMA, the better of the two weight sets competes; best.pt records which ("best_weights").
+            which = "ema" if ema is not None and val["val_acc_ema"] > val["val_acc"] else "model"
+            score = val["val_acc_ema"] if which == "ema" else val["val_acc"]
+            is_best = score > best_acc
+            if is_best:
+                best_acc, best_weights = score, which
+            saver.save(epoch + 1, global_step, best_acc, is_best=is_best, best_weights=best_weights)
             figure_seconds = epoch_pictures(logger, val, worst, classes, val_loader.dataset, global_step) \
                 if cfg.train.figures else 0.0
             metrics = {"epoch": epoch + 1, "step": global_step, **train, **val, "lr": lr,
-                       "best_acc": best_acc, "figure_seconds": figure_seconds,
+                       "best_acc": best_acc, **({"best_weights": best_weights} if ema is not None else {}),
+                       "figure_seconds": figure_seconds,
                        "epoch_seconds": time.perf_counter() - epoch_start}
             logger.epoch(metrics, classes)
             logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
                         f"val_loss {val['val_loss']:.4f}  val_acc {val['val_acc']:.4f}  "
-                        f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
+                        + (f"val_acc_ema {val['val_acc_ema']:.4f}  " if ema is not None else "")
+                        + f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
             # A signal that came during evaluation: the epoch's checkpoint is already written.
             if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), device):
                 _stopped(stop, f"after epoch {epoch + 1}", global_step, run_dir, dist_info)
@@ -461,7 +513,10 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     if resume_path is not None:
         state = state or ckpt.load_checkpoint(resume_path, map_location="cpu")
         ckpt.check_compatible(state, model, classes, model_name=cfg.model.name)
-        ckpt.unwrap(model).load_state_dict(state["model"])
+        # The weights that made the checkpoint's best accuracy: its EMA where that did (train.ema_decay).
+        weights = "ema" if state.get("best_weights") == "ema" and state.get("ema") else "model"
+        ckpt.unwrap(model).load_state_dict(state[weights])
+        source += " (EMA weights)" if weights == "ema" else ""
         del state
     if main:
         _check_writable(run_dir)

@@ -1,8 +1,13 @@
-"""Optimizer, learning-rate schedule and mixed precision, built from the config."""
+"""The training recipe built from the config: optimizer, learning-rate schedule, mixed
+precision, the loss's class weights, MixUp/CutMix and the EMA of the weights."""
+import copy
 import inspect
 import math
 
 import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+from utils.errors import UserError
 
 
 def build_optimizer(model, optim_cfg, world_size=1, fused=False):
@@ -126,3 +131,64 @@ def build_scaler(amp_dtype, device):
     """Loss scaling is needed for fp16 only; bf16 has fp32's range."""
     enabled = amp_dtype == torch.float16
     return torch.amp.GradScaler(device.type if enabled else "cpu", enabled=enabled)
+
+
+def class_weights(spec, labels, num_classes, device):
+    """optim.class_weights -> a (num_classes,) loss weight tensor on `device`, or None for "none".
+
+    auto: w_c = N / (C * n_c), inverse frequency over the training labels, so a class of the
+    average size weighs 1 and every class contributes equally to the expected loss.
+    """
+    if spec == "none":
+        return None
+    if spec == "auto":
+        counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes).double()
+        weights = counts.sum() / (num_classes * counts.clamp(min=1))
+    else:
+        if len(spec) != num_classes:
+            raise UserError(f"optim.class_weights has {len(spec)} weights, the data has {num_classes} classes",
+                            every_rank=True)
+        weights = torch.tensor([float(w) for w in spec], dtype=torch.float64)
+    return weights.float().to(device)
+
+
+def batch_mixer(mixup_alpha, cutmix_alpha, num_classes):
+    """data.mixup_alpha / data.cutmix_alpha -> torchvision's MixUp, CutMix or a random choice of the
+    two per batch, called as mix(images, labels) -> (images, soft targets); None when both are 0.
+
+    Their random draws come from torch's global generator, which the loop seeds per epoch and a
+    checkpoint saves: a resumed run mixes exactly as the uninterrupted one would."""
+    from torchvision.transforms import v2
+    mixers = ([v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha > 0 else []) + \
+             ([v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes)] if cutmix_alpha > 0 else [])
+    if not mixers:
+        return None
+    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+
+
+class WeightEMA:
+    """train.ema_decay: an exponential moving average of the model's weights and buffers,
+    ema = decay * ema + (1 - decay) * weights after every optimizer step, starting from the
+    weights it is built with. The update is one foreach lerp over the tensors on the device:
+    no host sync (swa_utils.AveragedModel checks its step count on the host every update).
+    `module` is an eval-mode copy of the model to evaluate and save."""
+
+    def __init__(self, model, decay):
+        self.decay, self.source = decay, model
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self._lerp = get_ema_multi_avg_fn(decay)
+        pairs = list(zip(self.module.state_dict().values(), model.state_dict().values()))
+        self._floats = [pair for pair in pairs if pair[0].is_floating_point()]
+        self._others = [pair for pair in pairs if not pair[0].is_floating_point()]  # e.g. BN's step count
+
+    @torch.no_grad()
+    def update(self):
+        self._lerp([e for e, _ in self._floats], [m for _, m in self._floats], None)
+        for e, m in self._others:
+            e.copy_(m)
+
+    @torch.no_grad()
+    def reset(self):
+        """Start the average afresh from the model's current weights."""
+        for e, m in self._floats + self._others:
+            e.copy_(m)
