@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, Subset
 
@@ -79,10 +80,18 @@ def fit_tiny(dist_info, run_dir, batch_size, lr, epochs=2, accum=1, log_every=2,
                              train=False)
     torch.manual_seed(cfg.train.seed)
     model = TinyNet().to(device)
+    buckets = []  # the index of each gradient bucket DDP all-reduces, in order
     if dist_info.distributed:
         model = DDP(model)
+
+        def counting_allreduce(state, bucket):
+            buckets.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_allreduce)
     result = fit(cfg, model, train_loader, val_loader, [str(c) for c in range(5)], dist_info, script_name="t")
-    return {"seen": train_set.seen, "steps_per_epoch": len(train_loader) // accum, "last": result["last"]}
+    return {"seen": train_set.seen, "steps_per_epoch": len(train_loader) // accum, "last": result["last"],
+            "allreduced_buckets": buckets}
 
 
 def fit_accumulated(dist_info, out):

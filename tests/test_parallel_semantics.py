@@ -166,6 +166,10 @@ def test_ddp_accumulation_equals_one_big_batch_also_across_a_mid_epoch_resume(la
     for step in range(2 * steps):  # two epochs: rank r's micro-batches 2k and 2k+1 are its part of step k
         ddp_batch = sorted(i for r in ranks for i in r["accum"]["seen"][2 * step * b:2 * (step + 1) * b])
         assert ddp_batch == sorted(single["seen"][step * big:(step + 1) * big]), f"step {step}"
+    # no_sync: one all-reduce of the gradient buckets per optimizer step, none for the first micro-batch.
+    for r in ranks:
+        seen = r["accum"]["allreduced_buckets"]
+        assert seen and len(seen) == 2 * steps * len(set(seen)), (len(seen), steps)
     accum = model_tensors(launch["out"] / "accum")
     for name, w in model_tensors(tmp_path / "single").items():
         assert rel_err(accum[name], w) <= 1e-5, name
