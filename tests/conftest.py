@@ -84,11 +84,12 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """One finished train.py run shared by the after-training tests (predict, export, eval-only,
-    pictures): 3 epochs of resnet18 at 32 px on 5 classes x 6 images, epoch_NNN.pt of each kept."""
+    pictures): 3 epochs of resnet18 at 32 px on 5 classes x 6 images, epoch_NNN.pt of each kept,
+    with an EMA of the weights beside them."""
     root = tmp_path_factory.mktemp("trained")
     data = make_image_folder(root / "flowers")
     run_dir = root / "run"
-    base = [*FAST_ARGS, "--data-path", data, "train.figures=true", "train.worst_images=4"]
+    base = [*FAST_ARGS, "--data-path", data, "train.figures=true", "train.worst_images=4", "train.ema_decay=0.5"]
     proc = run_entry("train.py", *base, "--output-dir", run_dir, "train.epochs=3", "train.keep_last=3")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return {"data": data, "run_dir": run_dir, "base": base}

@@ -56,7 +56,8 @@ def test_every_number_of_metrics_jsonl_is_a_scalar_on_the_global_step_axis(train
     tags = set(acc.Tags()["scalars"])
     ends = [row["step"] for row in rows]
     for key, tag in (("val_acc", "val/acc"), ("train_loss", "train/loss"), ("val_macro_f1", "val/macro_f1"),
-                     ("val_top5", "val/top5"), ("lr", "train/epoch_lr"), ("best_acc", "val/best_acc")):
+                     ("val_top5", "val/top5"), ("lr", "train/epoch_lr"), ("best_acc", "val/best_acc"),
+                     ("val_acc_ema", "val/acc_ema")):  # the EMA of the weights (train.ema_decay), evaluated beside them
         assert [p.step for p in acc.Scalars(tag)] == ends, tag
         assert [p.value for p in acc.Scalars(tag)] == pytest.approx([r[key] for r in rows], rel=1e-5), tag
     assert {f"val/f1/{c}" for c in ("daisy", "tulips")} <= tags and "val/precision/roses" in tags

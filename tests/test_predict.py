@@ -85,3 +85,20 @@ def test_bad_inputs_are_one_error_line_and_write_nothing(trained_run, tmp_path, 
         assert got == code and len(lines) == 1 and text in lines[0], (name, got, err)
         assert not out.exists() and not (tmp_path / "p.txt").exists(), name
     assert not (run_dir / "predictions.csv").exists()
+
+
+def test_the_weights_that_scored_best_are_the_ones_used(trained_run, tmp_path):
+    """The run kept an EMA (train.ema_decay): a checkpoint's "best_weights" names the weights
+    predict.py, export.py and --eval-only load (model.load_trained), and metrics.jsonl has both scores."""
+    from model import load_trained
+    state = torch.load(trained_run["run_dir"] / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    assert state["best_weights"] in ("model", "ema")
+    assert any(not torch.equal(state["ema"][k], v) for k, v in state["model"].items())
+    for which in ("model", "ema"):
+        torch.save({**state, "best_weights": which}, tmp_path / f"{which}.pt")
+        model, *_ = load_trained(tmp_path / f"{which}.pt")
+        assert all(torch.equal(v, state[which][k]) for k, v in model.state_dict().items()), which
+    last = json.loads((trained_run["run_dir"] / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"val_acc", "val_acc_ema", "best_weights"} <= set(last)
+    assert last["best_acc"] == max(max(m["val_acc"], m["val_acc_ema"]) for m in map(
+        json.loads, (trained_run["run_dir"] / "metrics.jsonl").read_text().splitlines()))

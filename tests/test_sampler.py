@@ -145,3 +145,37 @@ def test_resume_skips_batches_and_continues_exactly(world, rank):
             for _ in range(k):
                 next(batches)
             assert [b[0].tolist() for b in batches] == whole[k:], k
+
+
+@pytest.mark.parametrize("recipe", ["imbalanced.yaml", "class_weights"])
+def test_skewed_classes_through_train_py(recipe, tmp_path, monkeypatch, capsys):
+    """train.py on daisy 20 images, four classes of 5 (32 train images): configs/imbalanced.yaml
+    trains on every class within 1 of 32/5 images per epoch (daisy would be 16 of 32 shuffled);
+    optim.class_weights=auto prints the inverse-frequency weights N / (C * n_c) it trains with."""
+    import train
+    from _resume_utils import run_main
+    from conftest import FAST_ARGS, REPO, make_image_folder
+    from utils import engine
+    root = make_image_folder(tmp_path / "skewed", per_class=20)
+    for folder in sorted(root.iterdir())[1:]:  # daisy keeps 20
+        for image in sorted(folder.iterdir())[5:]:
+            image.unlink()
+    seen, real = Counter(), engine._to_device
+
+    def recording(images, labels, *a, **k):
+        if torch.is_grad_enabled():  # training batches only
+            seen.update(labels.tolist())
+        return real(images, labels, *a, **k)
+
+    monkeypatch.setattr(engine, "_to_device", recording)
+    extra = ["--config", str(REPO / "configs" / recipe)] if recipe.endswith(".yaml") else ["optim.class_weights=auto"]
+    args = [*extra, "--data-path", str(root), "--output-dir", str(tmp_path / "run"), *FAST_ARGS]
+    assert run_main(train, args, monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert sum(seen.values()) == 32
+    if recipe == "class_weights":
+        assert seen[0] == 16  # daisy, class 0: the default sampler shows every training image once
+        assert "class weights: daisy 0.4, dandelion 1.6, roses 1.6, sunflowers 1.6, tulips 1.6" in out
+    else:
+        assert all(count in (6, 7) for count in seen.values()) and len(seen) == 5, seen
+        assert "class weights" not in out
