@@ -302,3 +302,19 @@ def test_mobilenet_v3_small_trains_with_adamw_smoothing_and_clipping(tmp_path):
     assert [n for n in params if not torch.equal(ckpt["model"][n], start[n])] == params
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(metrics[-1]["train_loss"]) and metrics[-1]["val_count"] == 5
+
+
+def test_bn_momentum_sets_every_batchnorm_and_null_keeps_the_architectures():
+    """model.bn_momentum=0.1 on MobileNetV3 (its own is 0.01): the running mean moves 10 x as far
+    after one training forward; null leaves the builder's value."""
+    moved = {}
+    for value in ("null", "0.1"):
+        torch.manual_seed(0)
+        model = build_model(load_config(["model.name=mobilenet_v3_small", f"model.bn_momentum={value}"]).model,
+                            5, torch.device("cpu"), verbose=False)
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        assert {m.momentum for m in norms} == {0.01 if value == "null" else 0.1}
+        model.train()(3 + torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)))
+        moved[value] = norms[0].running_mean.clone()
+    assert torch.allclose(moved["0.1"], 10 * moved["null"], rtol=1e-4, atol=1e-7)
+    assert moved["null"].abs().max() > 1e-3
