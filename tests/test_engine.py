@@ -280,10 +280,12 @@ def exempt_grad_scaler_step(scaler):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_train_steps_on_cuda_do_not_synchronize(amp):
+@pytest.mark.parametrize("amp, recipe", [("bf16", False), ("fp16", False), ("bf16", True)])
+def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
     """A resnet18 on CUDA under autocast (bf16; fp16 with its GradScaler): any synchronizing call
-    in steps 1..n-1 of train_one_epoch raises under torch.cuda.set_sync_debug_mode("error")."""
+    in steps 1..n-1 of train_one_epoch raises under torch.cuda.set_sync_debug_mode("error").
+    recipe: also the EMA update, 2-batch accumulation, MixUp/CutMix, class weights, clipping."""
+    from utils.optim import WeightEMA, batch_mixer
     from model import create_model
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
@@ -300,12 +302,16 @@ def test_train_steps_on_cuda_do_not_synchronize(amp):
         exempt_grad_scaler_step(scaler)  # a torch without fused SGD: its per-step host read is torch's
     batches = [(torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 3, (8,), device=device))
                for _ in range(8)]
+    options = dict(ema=WeightEMA(model, 0.9), accum_steps=2, mix=batch_mixer(0.2, 1.0, 3), clip_grad_norm=1.0,
+                   class_weight=torch.tensor([1.0, 2.0, 0.5], device=device)) if recipe else {}
+    steps = len(batches) // options.get("accum_steps", 1)
     previous = torch.cuda.get_sync_debug_mode()
     try:
         # One epoch to warm up (cuDNN/cuBLAS handles, optimizer state), then the checked one.
-        engine.train_one_epoch(model, batches, opt, sched, scaler, device, 0, amp_dtype=dtype, log_every=100)
+        engine.train_one_epoch(model, batches, opt, sched, scaler, device, 0, amp_dtype=dtype, log_every=100,
+                               **options)
         out = engine.train_one_epoch(model, SyncDebugLoader(batches), opt, sched, scaler, device, 1,
-                                     amp_dtype=dtype, log_every=100, global_step=len(batches))
+                                     amp_dtype=dtype, log_every=100, global_step=steps, **options)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
-    assert math.isfinite(out["train_loss"]) and out["global_step"] == 2 * len(batches)
+    assert math.isfinite(out["train_loss"]) and out["global_step"] == 2 * steps
