@@ -285,13 +285,16 @@ def test_freeze_layers_under_ddp_keeps_the_backbone_and_skips_sync_bn(tmp_path):
 
 @pytest.mark.slow
 def test_mobilenet_v3_small_trains_with_adamw_smoothing_and_clipping(tmp_path):
-    """Another family through train.py for an epoch, every new optim key on: every tensor moves,
-    the optimizer is AdamW with its no-decay group, the loss is finite."""
-    root = make_image_folder(tmp_path / "flowers")
+    """Another family trains the demo (a small set from demo/flowers.py, configs/demo.yaml) through
+    train.py for an epoch, every new optim key on: every tensor moves, the optimizer is AdamW with
+    its no-decay group, the loss is finite."""
+    from demo.flowers import generate
+    root = generate(tmp_path / "demo_flowers", images_per_class=8, min_size=80, max_size=100)
     torch.manual_seed(8)
     start = create_model("mobilenet_v3_small", num_classes=5).state_dict()
     torch.save(start, tmp_path / "w.pth")
-    proc = run_entry("train.py", *FAST_ARGS, "model.name=mobilenet_v3_small", "--data-path", root,
+    proc = run_entry("train.py", "--config", REPO / "configs" / "demo.yaml", "--device", "cpu", "train.epochs=1",
+                     "data.num_workers=0", "train.figures=false", "model.name=mobilenet_v3_small", "--data-path", root,
                      "--output-dir", tmp_path / "run", "--weights", tmp_path / "w.pth", "optim.name=adamw",
                      "optim.lr=0.001", "optim.weight_decay=0.05", "optim.label_smoothing=0.1",
                      "optim.clip_grad_norm=1.0", cwd=tmp_path)
@@ -301,7 +304,7 @@ def test_mobilenet_v3_small_trains_with_adamw_smoothing_and_clipping(tmp_path):
     params = [n for n, _ in create_model("mobilenet_v3_small", 5).named_parameters()]
     assert [n for n in params if not torch.equal(ckpt["model"][n], start[n])] == params
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert math.isfinite(metrics[-1]["train_loss"]) and metrics[-1]["val_count"] == 5
+    assert math.isfinite(metrics[-1]["train_loss"]) and metrics[-1]["val_count"] == 5 * 2  # 8 per class, 20% held out
 
 
 def test_bn_momentum_sets_every_batchnorm_and_null_keeps_the_architectures():
