@@ -83,6 +83,11 @@ CASES = {
                                    "'tulips'], the data has 4 ['daisy', 'roses', 'sunflowers', 'tulips']; "
                                    "resume needs the same class folders"),
     "output_dir_not_writable": (lambda e: ["--output-dir", _file_in_the_way(e["base"])], 2, "is not writable"),
+    # Refused by the loop before it writes anything: the fresh --output-dir is not even created.
+    "accum_steps_over_an_epoch": (lambda e: ["--output-dir", e["base"] / "unborn", "train.accum_steps=7"], 2,
+                                  "train.accum_steps=7 is more than the 6 batches of an epoch per process"),
+    "class_weights_count": (lambda e: ["--output-dir", e["base"] / "unborn", "optim.class_weights=[1,2,3]"], 2,
+                            "optim.class_weights has 3 weights, the data has 5 classes"),
 }
 
 
@@ -95,6 +100,7 @@ def test_bad_config_is_one_line_and_damages_nothing(earlier, case):
     line = error_line(code, out, err, code_expected)
     assert needle in line, line
     assert tree_hash(earlier["run"]) == before
+    assert not (earlier["base"] / "unborn").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

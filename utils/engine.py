@@ -321,6 +321,14 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     resume_path, resume_state = ckpt.agree_resume(cfg.resume, run_dir, restarted, rank)
     if cfg.eval_only:
         return evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, resume_state)
+    # Settings that only the data can refute: refused here, before anything is written.
+    accum = cfg.train.accum_steps
+    steps = len(train_loader) // accum  # optimizer steps per epoch
+    if steps == 0:
+        raise UserError(f"train.accum_steps={accum} is more than the {len(train_loader)} batches of an epoch "
+                        "per process; lower it or --batch-size", every_rank=True)
+    class_weight = class_weights(cfg.optim.class_weights, [label for _, label in getattr(
+        train_loader.dataset, "samples", [])], len(classes), device)
     if main:
         _check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         _check_writable(run_dir)
@@ -331,17 +339,10 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     channels_last = cfg.model.channels_last and device.type == "cuda"
     # Steps run through `step_model`; checkpoints keep saving `model`'s plain (uncompiled) weights.
     step_model = compile_model(model) if cfg.train.compile else model
-    accum = cfg.train.accum_steps
-    steps = len(train_loader) // accum  # optimizer steps per epoch
-    if steps == 0:
-        raise UserError(f"train.accum_steps={accum} is more than the {len(train_loader)} batches of an epoch "
-                        "per process; lower it or --batch-size", every_rank=True)
     optimizer = build_optimizer(bare, cfg.optim, world, fused=amp_dtype == torch.float16)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps)
     scaler = build_scaler(amp_dtype, device)
     ema = WeightEMA(bare, cfg.train.ema_decay) if cfg.train.ema_decay else None
-    class_weight = class_weights(cfg.optim.class_weights, [label for _, label in getattr(
-        train_loader.dataset, "samples", [])], len(classes), device)
     mix = batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes))
     layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, steps, len(train_loader.dataset),
                               accum_steps=accum, sampler=cfg.data.sampler)
