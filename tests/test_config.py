@@ -199,6 +199,21 @@ def test_every_default_yaml_key_has_a_comment():
         assert len(comment) >= 10, f"{key} has no explanatory comment in default.yaml: {line!r}"
 
 
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml") if p.name != "default.yaml"))
+def test_each_shipped_recipe_states_only_what_differs_each_key_commented(recipe):
+    path = REPO / "configs" / recipe
+    defaults = _flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
+    leaves = list(_leaf_lines(path.read_text()))
+    assert leaves
+    for key, line in leaves:
+        assert key in defaults, f"{recipe}: '{key}' is no config key"
+        assert len(line.split("#", 1)[1].strip() if "#" in line else "") >= 10, f"{recipe}: {key} has no comment"
+    for key, value in _flatten(yaml.safe_load(path.read_text())).items():
+        assert value != defaults[key], f"{recipe}: {key}={value!r} is the default; leave it out"
+    # It loads (weights are not looked up: the pretrained check has its own tests in test_model.py).
+    load_config(["--config", str(path), "model.pretrained=null"])
+
+
 def test_each_default_stands_in_default_yaml_alone():
     """The schema holds types only; every value comes from default.yaml, which has every key."""
     in_yaml = _flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
