@@ -146,7 +146,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             now = time.perf_counter()
             speed = window_images * world_size / max(now - window_start, 1e-9)
             eta = (now - start) / (i + 1 - skip) * (used - i - 1)  # to the end of this epoch
-            logger.window(bar, label, i + 1, used, window_loss, speed, optimizer.param_groups[0]["lr"], eta)
+            # Optimizer steps of this epoch, as global_step and TensorBoard count them.
+            logger.window(bar, label, (i + 1) // accum_steps, used // accum_steps, window_loss, speed,
+                          optimizer.param_groups[0]["lr"], eta)
             logger.scalar("train/loss_step", window_loss, global_step)
             # The lr the window ended with (a Python float, no sync): warm-up and cosine show as curves.
             logger.scalar("train/lr", optimizer.param_groups[0]["lr"], global_step)
