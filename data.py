@@ -274,6 +274,11 @@ class ImageList(Dataset):
     def __len__(self):
         return len(self.samples)
 
+    @property
+    def targets(self):
+        """The class index of every sample (torchvision's name for it, as in ImageFolder)."""
+        return [label for _, label in self.samples]
+
     def __getitem__(self, index):
         n = len(self.samples)
         for i in range(index, index + n):
@@ -361,16 +366,6 @@ def build_datasets(data_cfg, eval_only=False):
     return ImageList(split.train, train_tf, known_bad=known_bad, **opts), held_out, split.classes
 
 
-def _dataset_labels(dataset):
-    """The class index of every sample: ImageList's .samples, or a .targets/.labels attribute."""
-    if hasattr(dataset, "samples"):
-        return [label for _, label in dataset.samples]
-    for attr in ("targets", "labels"):
-        if hasattr(dataset, attr):
-            return list(getattr(dataset, attr))
-    raise TypeError(f"{type(dataset).__name__} has no .samples, .targets or .labels to balance classes by")
-
-
 def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
     """Training order that depends only on (seed, epoch), set with set_epoch().
 
@@ -384,7 +379,9 @@ def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
     if kind == "shuffle":
         return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
     if kind == "balanced":
-        return BalancedSampler(_dataset_labels(dataset), seed, num_replicas, rank)
+        if not hasattr(dataset, "targets"):
+            raise TypeError(f"{type(dataset).__name__} has no .targets (a label per sample) to balance classes by")
+        return BalancedSampler(list(dataset.targets), seed, num_replicas, rank)
     raise ValueError(f"unknown sampler kind {kind!r}; expected 'shuffle' or 'balanced'")
 
 

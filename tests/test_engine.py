@@ -199,17 +199,19 @@ def sync_log(monkeypatch):
 
 
 class MarkingLoader:
-    """A list of batches that notes, each time the loop takes one, how long `log` is by then."""
+    """A list of batches that notes, each time the loop takes one, how long `log` is by then
+    (or what `note()` returns)."""
 
-    def __init__(self, batches, log):
-        self.batches, self.log, self.marks = batches, log, []
+    def __init__(self, batches, log=(), note=None):
+        self.batches, self.marks = batches, []
+        self.note = note or (lambda: len(log))
 
     def __len__(self):
         return len(self.batches)
 
     def __iter__(self):
         for batch in self.batches:
-            self.marks.append(len(self.log))
+            self.marks.append(self.note())
             yield batch
 
 

@@ -332,6 +332,8 @@ def test_auto_class_weights_are_inverse_frequency_and_weight_the_loss():
     assert class_weights("none", labels, 3, CPU) is None
     with pytest.raises(UserError, match="has 3 weights, the data has 4 classes"):
         class_weights([1, 2, 3], labels, 4, CPU)
+    with pytest.raises(UserError, match="needs the training labels"):  # a dataset without .targets
+        class_weights("auto", None, 3, CPU)
 
 
 @pytest.mark.parametrize("mixup, cutmix", [(0.4, 0.0), (0.0, 1.0), (0.4, 1.0)])
@@ -353,34 +355,19 @@ def test_mixup_and_cutmix_train_on_soft_targets(mixup, cutmix):
     assert batch_mixer(0.0, 0.0, 3) is None
 
 
-class Snapshots:
-    """A list of batches that records the model's weights each time the loop takes the next one:
-    by then the previous optimizer step (and its EMA update) is done."""
-
-    def __init__(self, batches, model):
-        self.batches, self.model, self.states = batches, model, []
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __iter__(self):
-        for batch in self.batches:
-            self.states.append({k: v.double().clone() for k, v in self.model.state_dict().items()})
-            yield batch
-
-
 @pytest.mark.parametrize("accum", [1, 2])
 def test_ema_equals_a_hand_computed_average_of_the_weights(accum):
     """ema_0 = w_0, ema_k = d * ema_(k-1) + (1 - d) * w_k after every optimizer step k, for the
     parameters and the BatchNorm statistics alike; with accumulation, once per step, not per batch."""
     decay, model = 0.8, small_net()
-    loader = Snapshots(batches(6), model)
+    # The weights each time the loop takes a batch: by then the previous step (and EMA update) is done.
+    loader = MarkingLoader(batches(6), note=lambda: {k: v.double().clone() for k, v in model.state_dict().items()})
     ema = WeightEMA(model, decay)
     opt = build_optimizer(model, optim_cfg(lr=0.1))
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 6 // accum)
     out = train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, ema=ema, accum_steps=accum)
     assert out["global_step"] == 6 // accum
-    weights = loader.states[::accum] + [{k: v.double() for k, v in model.state_dict().items()}]
+    weights = loader.marks[::accum] + [{k: v.double() for k, v in model.state_dict().items()}]
     hand = copy.deepcopy(weights[0])
     for w in weights[1:]:
         hand = {k: decay * hand[k] + (1 - decay) * w[k] for k in hand}
@@ -398,7 +385,7 @@ def test_ema_equals_a_hand_computed_average_of_the_weights(accum):
 
 def test_accumulation_trains_whole_steps_and_leaves_a_short_tail_out():
     """5 batches at accum_steps=2: 2 optimizer steps of 2 batches; the 5th batch is not even loaded."""
-    loader = MarkingLoader(batches(5), [])
+    loader = MarkingLoader(batches(5))
     model = small_net()
     opt = build_optimizer(model, optim_cfg(lr=0.1))
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 2)

@@ -41,6 +41,22 @@ def straight(data, tmp_path_factory, one_thread):
     return out
 
 
+def signal_on_training_batch(monkeypatch, n, sig):
+    """A real `sig` to this process as the loop takes its n-th training batch (evaluation runs
+    under no_grad and is not counted); returns the list that counts the batches taken."""
+    real_to_device, taken = engine._to_device, []
+
+    def to_device_then_signal(*a, **k):
+        if engine.torch.is_grad_enabled():
+            taken.append(1)
+            if len(taken) == n:
+                os.kill(os.getpid(), sig)
+        return real_to_device(*a, **k)
+
+    monkeypatch.setattr(engine, "_to_device", to_device_then_signal)
+    return taken
+
+
 def _resume_from_message(err, script="train.py"):
     """The 'Resume with: python train.py ...' command of the stop line -> that command's arguments."""
     lines = [x for x in err.splitlines() if x.startswith("error:")]
@@ -82,16 +98,7 @@ def test_sigterm_after_epoch_2_then_resume_equals_straight_run(data, straight, t
 def test_sigint_mid_epoch_stops_at_next_step_and_resume_equals_straight_run(data, straight, tmp_path,
                                                                          monkeypatch, capsys):
     out = tmp_path / "run"
-    real_to_device, steps = engine._to_device, []
-
-    def to_device_then_signal(*a, **k):
-        if engine.torch.is_grad_enabled():  # a training batch (evaluation runs under no_grad)
-            steps.append(1)
-            if len(steps) == 6 + 3:  # Ctrl-C during the 3rd step of epoch 2
-                os.kill(os.getpid(), signal.SIGINT)
-        return real_to_device(*a, **k)
-
-    monkeypatch.setattr(engine, "_to_device", to_device_then_signal)
+    steps = signal_on_training_batch(monkeypatch, 6 + 3, signal.SIGINT)  # Ctrl-C during the 3rd step of epoch 2
     code = run_main(train, run_args(data, out), monkeypatch)
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGINT, err
@@ -101,7 +108,7 @@ def test_sigint_mid_epoch_stops_at_next_step_and_resume_equals_straight_run(data
     assert (state["epoch"], state["epoch_step"], state["global_step"]) == (1, 3, 9)
     assert len(steps) == 9  # not one batch more was drawn
 
-    monkeypatch.setattr(engine, "_to_device", real_to_device)
+    monkeypatch.undo()
     assert run_main(train, _resume_from_message(err), monkeypatch) == 0
     assert "at epoch 2 after its step 3" in capsys.readouterr().out
     assert_same_run(straight, out)
@@ -132,22 +139,14 @@ def test_recipe_options_resume_mid_step_bit_for_bit(data, tmp_path, monkeypatch,
     the resumed run ends with the same weights, EMA weights, optimizer and metrics as a straight one."""
     straight, out = tmp_path / "straight", tmp_path / "run"
     assert run_main(train, run_args(data, straight, *RECIPE, epochs=2), monkeypatch) == 0
-    real_to_device, batches = engine._to_device, []
-
-    def to_device_then_signal(*a, **k):
-        if engine.torch.is_grad_enabled():
-            batches.append(1)
-            if len(batches) == 6 + 3:  # the first batch of epoch 2's second step (3 steps of 2 batches)
-                os.kill(os.getpid(), signal.SIGINT)
-        return real_to_device(*a, **k)
-
-    monkeypatch.setattr(engine, "_to_device", to_device_then_signal)
+    # The first batch of epoch 2's second step (3 steps of 2 batches).
+    signal_on_training_batch(monkeypatch, 6 + 3, signal.SIGINT)
     code = run_main(train, run_args(data, out, *RECIPE, epochs=2), monkeypatch)
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGINT, err
     state = load(out / "checkpoints" / "last.pt")
     assert (state["epoch"], state["epoch_step"], state["global_step"]) == (1, 4, 5)  # on the step's boundary
-    monkeypatch.setattr(engine, "_to_device", real_to_device)
+    monkeypatch.undo()
     assert run_main(train, _resume_from_message(err), monkeypatch) == 0
     assert_same_run(straight, out)
     a, b = load(straight / "checkpoints" / "last.pt"), load(out / "checkpoints" / "last.pt")

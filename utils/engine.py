@@ -329,8 +329,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     if steps == 0:
         raise UserError(f"train.accum_steps={accum} is more than the {len(train_loader)} batches of an epoch "
                         "per process; lower it or --batch-size", every_rank=True)
-    class_weight = class_weights(cfg.optim.class_weights, [label for _, label in getattr(
-        train_loader.dataset, "samples", [])], len(classes), device)
+    class_weight = class_weights(cfg.optim.class_weights, getattr(train_loader.dataset, "targets", None),
+                                 len(classes), device)
     if main:
         _check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         _check_writable(run_dir)

@@ -135,6 +135,7 @@ def build_scaler(amp_dtype, device):
 
 def class_weights(spec, labels, num_classes, device):
     """optim.class_weights -> a (num_classes,) loss weight tensor on `device`, or None for "none".
+    `labels`: the training set's label per sample (its .targets), or None if it has none.
 
     auto: w_c = N / (C * n_c), inverse frequency over the training labels, so a class of the
     average size weighs 1 and every class contributes equally to the expected loss.
@@ -142,6 +143,9 @@ def class_weights(spec, labels, num_classes, device):
     if spec == "none":
         return None
     if spec == "auto":
+        if labels is None:
+            raise UserError("optim.class_weights=auto needs the training labels: the dataset has no .targets",
+                            every_rank=True)
         counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes).double()
         weights = counts.sum() / (num_classes * counts.clamp(min=1))
     else:
@@ -174,7 +178,7 @@ class WeightEMA:
     `module` is an eval-mode copy of the model to evaluate and save."""
 
     def __init__(self, model, decay):
-        self.decay, self.source = decay, model
+        self.decay = decay
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
         self._lerp = get_ema_multi_avg_fn(decay)
         pairs = list(zip(self.module.state_dict().values(), model.state_dict().values()))
