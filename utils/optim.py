@@ -182,17 +182,21 @@ class WeightEMA:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
         self._lerp = get_ema_multi_avg_fn(decay)
         pairs = list(zip(self.module.state_dict().values(), model.state_dict().values()))
-        self._floats = [pair for pair in pairs if pair[0].is_floating_point()]
-        self._others = [pair for pair in pairs if not pair[0].is_floating_point()]  # e.g. BN's step count
+        floats = [p for p in pairs if p[0].is_floating_point()]
+        others = [p for p in pairs if not p[0].is_floating_point()]  # e.g. BatchNorm's step count: copied
+        # (EMA tensors, model tensors), listed once: no per-step Python work over the state dict.
+        self._floats = ([e for e, _ in floats], [m for _, m in floats])
+        self._others = ([e for e, _ in others], [m for _, m in others])
 
     @torch.no_grad()
     def update(self):
-        self._lerp([e for e, _ in self._floats], [m for _, m in self._floats], None)
-        for e, m in self._others:
-            e.copy_(m)
+        self._lerp(*self._floats, None)
+        if self._others[0]:
+            torch._foreach_copy_(*self._others)  # one fused copy, not a kernel launch per BatchNorm
 
     @torch.no_grad()
     def reset(self):
         """Start the average afresh from the model's current weights."""
-        for e, m in self._floats + self._others:
-            e.copy_(m)
+        for ema, model in (self._floats, self._others):
+            if ema:
+                torch._foreach_copy_(ema, model)
