@@ -4,6 +4,7 @@ Tests run on CPU. Small models and 32 px images keep a whole run to seconds;
 `slow` marks the ones that still take longer (they run in CI too).
 """
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -81,12 +82,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
 
 
+SESSION_FOLDERS = set()  # made by session-scoped fixtures, used by later modules
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_module_folders(tmp_path_factory, request):
+    """Delete the folders a module's shared fixtures made once its tests pass, as pytest.ini does for
+    each test's tmp_path: the suite's checkpoints would otherwise fill a small disk. The folders of
+    session fixtures (SESSION_FOLDERS) stay."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(base.iterdir()) - before - SESSION_FOLDERS:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """One finished train.py run shared by the after-training tests (predict, export, eval-only,
     pictures): 3 epochs of resnet18 at 32 px on 5 classes x 6 images, epoch_NNN.pt of each kept,
     with an EMA of the weights beside them."""
     root = tmp_path_factory.mktemp("trained")
+    SESSION_FOLDERS.add(root)
     data = make_image_folder(root / "flowers")
     run_dir = root / "run"
     base = [*FAST_ARGS, "--data-path", data, "train.figures=true", "train.worst_images=4", "train.ema_decay=0.5"]

@@ -166,6 +166,22 @@ for i in range(1_000_000):
     assert [p.name for p in ckpt_dir.iterdir()] == ["last.pt"]
 
 
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_best_and_epoch_files_keep_their_epoch_without_a_second_copy(links, tmp_path, monkeypatch):
+    """best.pt and epoch_NNN.pt share last.pt's file while it is that epoch's (one copy on disk);
+    the next last.pt replaces it by rename, so they keep their epoch. Without hard links: copies."""
+    if not links:
+        monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EPERM, "no links")))
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    for epoch, best in [(1, True), (2, False), (3, False)]:
+        ckpt.save_checkpoint({"epoch": epoch, "t": torch.full((4,), float(epoch))}, d, is_best=best, keep_last=2)
+    assert {p.name: load(p)["epoch"] for p in d.iterdir()} == \
+        {"last.pt": 3, "best.pt": 1, "epoch_002.pt": 2, "epoch_003.pt": 3}
+    assert (d / "last.pt").samefile(d / "epoch_003.pt") == links
+    assert not (d / "best.pt").samefile(d / "last.pt")
+
+
 def test_resume_command_repeats_the_run_with_output_dir_and_resume_auto():
     argv = ["train.py", "--epochs", "30", "--resume", "old.pt", "--output-dir=runs/x", "optim.lr=0.1",
             "resume=foo"]

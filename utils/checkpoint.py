@@ -112,12 +112,19 @@ def atomic_save(obj, path):
         raise
 
 
-def atomic_copy(src, dst):
+def atomic_link(src, dst):
+    """Make `dst` hold what `src` holds now: a hard link (no second copy on disk; the next
+    atomic_save of `src` renames a new file over it and leaves `dst` as it was), or a copy
+    where the filesystem has no hard links."""
     dst = Path(dst)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     os.close(fd)
     try:
-        shutil.copyfile(src, tmp)
+        os.unlink(tmp)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
     except BaseException:
         if os.path.exists(tmp):
@@ -156,9 +163,9 @@ def save_checkpoint(state, ckpt_dir, is_best, keep_last=0):
         last = ckpt_dir / "last.pt"
         atomic_save(state, last)
         if is_best:
-            atomic_copy(last, ckpt_dir / "best.pt")
+            atomic_link(last, ckpt_dir / "best.pt")
         if keep_last > 0:
-            atomic_copy(last, ckpt_dir / f"epoch_{state['epoch']:03d}.pt")
+            atomic_link(last, ckpt_dir / f"epoch_{state['epoch']:03d}.pt")
             for old in sorted(ckpt_dir.glob("epoch_*.pt"))[:-keep_last]:
                 old.unlink()
     except OSError as e:
