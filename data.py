@@ -341,9 +341,12 @@ def verify_images(paths, max_pixels):
 def build_datasets(data_cfg, eval_only=False):
     """The config's data section -> (train dataset, val dataset, class names).
 
-    eval_only: the second dataset is root/test/ when the root has one (its `split` says which).
+    eval_only: no training set (None: nothing of it is checked, decoded or loaded), and the
+    second dataset is root/test/ when the root has one (its `split` says which).
     """
     split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
+    if eval_only:
+        split.train, split.val = [], split.test or split.val
     known_bad = 0
     if data_cfg.verify:
         bad = verify_images([p for p, _ in split.train + split.val], data_cfg.max_image_pixels)
@@ -361,9 +364,10 @@ def build_datasets(data_cfg, eval_only=False):
         known_bad = len(bad)
     train_tf, val_tf = build_transforms(**_transform_args(data_cfg))
     opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels)
-    held_out = ImageList(split.test if eval_only and split.test else split.val, val_tf, **opts)
+    held_out = ImageList(split.val, val_tf, **opts)
     held_out.split = "test" if eval_only and split.test else "val"
-    return ImageList(split.train, train_tf, known_bad=known_bad, **opts), held_out, split.classes
+    train_set = None if eval_only else ImageList(split.train, train_tf, known_bad=known_bad, **opts)
+    return train_set, held_out, split.classes
 
 
 def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
@@ -375,7 +379,10 @@ def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
       shuffle   each image once per epoch (DistributedSampler, its last shard padded with repeats);
       balanced  every class drawn equally often, rare classes repeating (BalancedSampler);
                 an epoch has as many steps as with shuffle.
+    No dataset (an --eval-only run's training set) gives None.
     """
+    if dataset is None:
+        return None
     if kind == "shuffle":
         return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
     if kind == "balanced":
@@ -466,6 +473,8 @@ def resolve_num_workers(requested, device, procs_per_node=1):
 
 
 def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per_node=None):
+    if dataset is None:  # --eval-only: no training set
+        return None
     # Processes on this node share its cores for workers; torchrun says how many.
     if procs_per_node is None:
         procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -67,3 +67,16 @@ def test_a_test_folder_is_what_eval_only_evaluates(trained_run, tmp_path, capsys
         train.main([*base, "--eval-only", "--output-dir", str(tmp_path / "none")])
     assert e.value.code == 2 and "--eval-only needs a model" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+
+
+def test_eval_only_never_touches_the_training_images(trained_run, tmp_path, capsys):
+    """No training set is built: nothing of it is verified or decoded (data.pipeline=gpu decodes its
+    cache up front), and a batch larger than the training split, which training refuses, is fine."""
+    best = trained_run["run_dir"] / "checkpoints" / "best.pt"
+    base = [str(a) for a in trained_run["base"]]
+    train.main([*base, "--eval-only", "--resume", str(best), "--output-dir", str(tmp_path / "out"),
+                "data.pipeline=gpu", "data.verify=true", "train.batch_size=64"])
+    out = capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "eval.json").read_text())["count"] == 5
+    assert "verify: 5 images checked" in out
+    assert "gpu pipeline: 5 val images decoded" in out and "train images decoded" not in out
