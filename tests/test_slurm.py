@@ -5,12 +5,14 @@
 The CPU demo as a user submits it: one torchrun with 2 gloo workers per node. A
 plain run must complete into one run directory with a plain-text output file; a
 USR1 (what `#SBATCH --signal=B:USR1@120` sends before the time limit) must make the
-job save, requeue itself and finish with the metrics of the uninterrupted run.
+job save, requeue itself and finish with the metrics of the uninterrupted run. The launch
+without torchrun (srun, one task per process) must train exactly like the torchrun job.
 Skipped, with the reason, where no cluster answers (no root or no apt to install one).
 """
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -48,14 +50,20 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("slurm") / "flowers")  # 2 ranks x 3 steps per epoch
 
 
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else os.sys.executable
+
+
+def run_args(data):
+    return ["--data-path", str(data), *FAST_ARGS, "train.epochs=2", "train.amp=off", "train.log_every=1",
+            "ddp.backend=gloo"]
+
+
 def submit(data, out, log):
     """sbatch the script as a user would, sized for this 1-node, 2-CPU cluster; returns the job id."""
     env = {**os.environ, "OUTPUT_DIR": str(out), "NPROC_PER_NODE": "2", "RDZV_PORT": str(free_port()),
-           "PYTHON": str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else os.sys.executable}
-    args = ["--data-path", str(data), *FAST_ARGS, "train.epochs=2", "train.amp=off", "train.log_every=1",
-            "ddp.backend=gloo"]
+           "PYTHON": PYTHON}
     r = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
-                        "--time=10", f"--output={log}", str(SBATCH), *args],
+                        "--time=10", f"--output={log}", str(SBATCH), *run_args(data)],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=30)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0]
@@ -115,6 +123,26 @@ def test_usr1_saves_requeues_and_the_job_finishes_like_an_uninterrupted_one(stra
     assert load(out / "checkpoints" / "last.pt")["epoch"] == 2
     assert_same_weights(straight[0] / "checkpoints" / "last.pt", out / "checkpoints" / "last.pt")
     assert untimed(straight[0]) == untimed(out)  # metrics.jsonl equal, timings aside
+
+
+def test_srun_without_torchrun_trains_exactly_like_the_torchrun_job(straight, data, tmp_path):
+    """docs/multi-node.md's launch without torchrun: srun starts one task per process and
+    init_distributed_mode reads SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID."""
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    launch = " ".join(shlex.quote(a) for a in [PYTHON, "train_multi_gpu_ddp.py", "--output-dir", str(out),
+                                                "--resume", "auto", *run_args(data)])
+    script = (f'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '
+              f"MASTER_PORT={free_port()} OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1\nsrun {launch}")
+    r = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                        "--time=10", f"--output={log}", f"--wrap={script}"],
+                       capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert r.returncode == 0, r.stderr
+    info = wait_done(r.stdout.strip().split(";")[0])
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-3000:]
+    assert "2 process(es)" in text and len(re.findall(r"^epoch 1/2  step 1/3 ", text, re.M)) == 1, text[-3000:]
+    assert_same_weights(straight[0] / "checkpoints" / "last.pt", out / "checkpoints" / "last.pt")
+    assert untimed(straight[0]) == untimed(out)
 
 
 def untimed(run_dir):
