@@ -67,6 +67,10 @@ def test_a_test_folder_is_what_eval_only_evaluates(trained_run, tmp_path, capsys
         train.main([*base, "--eval-only", "--output-dir", str(tmp_path / "none")])
     assert e.value.code == 2 and "--eval-only needs a model" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+    with pytest.raises(SystemExit) as e:  # --resume auto in a folder with no checkpoint
+        train.main([*base, "--eval-only", "--resume", "auto", "--output-dir", str(tmp_path / "empty")])
+    assert e.value.code == 2
+    assert f"--eval-only --resume auto found no checkpoint in '{tmp_path / 'empty'}'" in capsys.readouterr().err
 
 
 def test_eval_only_never_touches_the_training_images(trained_run, tmp_path, capsys):

@@ -164,11 +164,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
                 if stopping:
                     return {"stopped": True, "global_step": global_step}
     seconds = time.perf_counter() - start
-    total = reduce_value(torch.stack([loss_sum, torch.tensor(float(images_seen), device=device,
-                                                                dtype=torch.float64)]), average=False)
+    total_loss, total_images = reduce_value(torch.stack([loss_sum, torch.tensor(
+        float(images_seen), device=device, dtype=torch.float64)]), average=False).tolist()  # one host read
     return {
-        "train_loss": (total[0] / total[1]).item(),
-        "img_per_s": total[1].item() / max(seconds, 1e-9),
+        "train_loss": total_loss / total_images,
+        "img_per_s": total_images / max(seconds, 1e-9),
         "train_seconds": seconds,
         "global_step": global_step,
     }
@@ -510,8 +510,9 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     """--eval-only: the checkpoint's (or --weights') model on the validation split, or on test/
     when the data root has one; rank 0 writes eval.json and the two pictures into `run_dir`."""
     device, main = dist_info.device, dist_info.rank == 0
-    if resume_path is None and not cfg.model.weights:
-        raise UserError("--eval-only needs a model: --resume CHECKPOINT or --weights FILE", every_rank=True)
+    if resume_path is None and not cfg.model.weights:  # load_config refused neither; --resume auto found nothing
+        raise UserError(f"--eval-only --resume {cfg.resume} found no checkpoint in '{run_dir}'; pass "
+                        "--resume CHECKPOINT or --weights FILE", every_rank=True)
     source = str(resume_path or cfg.model.weights)
     if resume_path is not None:
         state = state or ckpt.load_checkpoint(resume_path, map_location="cpu")
