@@ -394,3 +394,104 @@ def test_accumulation_trains_whole_steps_and_leaves_a_short_tail_out():
     out = train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, accum_steps=2)
     assert (len(steps), out["global_step"], len(loader.marks)) == (2, 2, 4)
     assert sched.last_epoch == 2  # the schedule counts optimizer steps
+
+
+# ------------------------------------------------------------------ fp16: fused optimizers under GradScaler
+
+def _cpu_fused(name):
+    """A fused optimizer of `name` runs on this torch's CPU (fused SGD/AdamW on CPU: torch >= 2.4-2.5)."""
+    try:
+        opt = build_optimizer(torch.nn.Linear(2, 2), optim_cfg(name=name), fused=True)
+        torch.nn.Linear(2, 2)(torch.ones(1, 2)).sum().backward()
+        return bool(opt.param_groups[0].get("fused"))
+    except RuntimeError:
+        return False
+
+
+def scaled_step(model, opt, scaler, data, poison=False):
+    """One GradScaler step on `data`; poison: inf gradients with a finite loss (GradScaler skips it)."""
+    images, labels = data
+    loss = torch.nn.functional.cross_entropy(model(images), labels)
+    scaler.scale(loss * (float("inf") if poison else 1.0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_an_fp16_run_resumes_a_plain_optimizers_checkpoint_and_stays_fused(name):
+    """A bf16, fp32 or CPU run saves a plain optimizer's state; Optimizer.load_state_dict would take its
+    fused=None over this fp16 run's fused=True, and the first GradScaler step asserted ("Expected
+    grad_scale and found_inf to be None"). The restored optimizer stays fused and steps as a plain one."""
+    from utils import checkpoint as ckpt
+    if not _cpu_fused(name):
+        pytest.skip(f"this torch has no fused {name} on the CPU")
+    data = batches(1)[0]
+    model = small_net()
+    plain = build_optimizer(model, optim_cfg(name=name, lr=0.1))
+    scaled_step(model, plain, build_scaler(None, CPU), data)  # a step of the run that saved it
+    sched = build_scheduler(plain, optim_cfg(name=name, lr=0.1), 1, 10)
+    state = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(plain.state_dict()),
+             "scheduler": sched.state_dict(), "scaler": {}, "epoch": 1, "global_step": 1, "best_acc": 0.0,
+             "classes": ["a", "b", "c"]}
+    results = {}
+    for fused in (False, True):
+        resumed = small_net()
+        opt = build_optimizer(resumed, optim_cfg(name=name, lr=0.1), fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what an fp16 run uses (CUDA there)
+        # A copy each time: a loaded optimizer shares the state dict's tensors and steps them in place.
+        ckpt.restore(copy.deepcopy(state), resumed, opt, build_scheduler(opt, optim_cfg(name=name, lr=0.1), 1, 10),
+                     scaler, ["a", "b", "c"])
+        assert bool(opt.param_groups[0].get("fused")) is fused
+        scaled_step(resumed, opt, scaler, data)
+        results[fused] = resumed.state_dict()
+    for key, value in results[False].items():
+        assert torch.allclose(results[True][key], value, rtol=1e-5, atol=1e-6), key
+
+
+def test_fused_sgd_after_a_skipped_first_step_takes_plain_sgds_step():
+    """GradScaler skips a step whose gradients overflowed (common at fp16's starting scale 2**16). Fused
+    SGD made its momentum buffers with empty_like on that skipped first step and the next step read
+    the uninitialised memory as momentum (weights moved by 1e21 or went NaN); plain SGD moved by 0.004."""
+    if not _cpu_fused("sgd"):
+        pytest.skip("this torch has no fused SGD on the CPU")
+    first, second = batches(2)
+    weights = {}
+    for fused in (False, True):
+        model = small_net()
+        opt = build_optimizer(model, optim_cfg(lr=0.1), fused=fused)
+        scaler = torch.amp.GradScaler("cpu")  # starting scale 2**16
+        scaled_step(model, opt, scaler, first, poison=True)
+        assert scaler.get_scale() == 2.0 ** 15  # skipped: the scale backed off, nothing moved
+        scaled_step(model, opt, scaler, second)
+        weights[fused] = model.state_dict()
+    moved = max((weights[False][k] - p).abs().max().item() for k, p in small_net().named_parameters())
+    assert 1e-4 < moved < 1.0
+    for key, value in weights[False].items():
+        assert torch.allclose(weights[True][key], value, rtol=1e-5, atol=1e-7), key
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(fused):
+    """Under fp16 a skipped step's pre-clip norm is inf; train/grad_norm used to log inf for any window
+    holding one. It is the mean over the window's finite steps, and train/skipped_steps counts the rest."""
+    if fused and not _cpu_fused("sgd"):
+        pytest.skip("this torch has no fused SGD on the CPU")
+    data = batches(4)
+    model = small_net()
+    calls = [0]
+
+    def overflow_on_second_step(grad):  # finite loss, inf gradients: what fp16 overflow looks like
+        calls[0] += 1
+        return grad * float("inf") if calls[0] == 2 else grad
+
+    model[6].weight.register_hook(overflow_on_second_step)
+    opt = build_optimizer(model, optim_cfg(lr=0.1), fused=fused)
+    sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, len(data))
+    logger = ScalarLog()
+    train_one_epoch(model, data, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0), CPU, 0,
+                    logger=logger, log_every=4, clip_grad_norm=100.0)
+    logged = {tag: v for tag, v, _ in logger.scalars}
+    assert logged["train/skipped_steps"] == 1
+    assert 0 < logged["train/grad_norm"] < 100  # the three finite steps' mean (each norm is ~1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from utils.distributed_utils import any_rank, broadcast_object
 from utils.errors import RUNTIME_EXIT, UserError
+from utils.optim import load_optimizer_state
 
 
 def unwrap(model):
@@ -255,7 +256,7 @@ def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None
     """
     check_compatible(state, model, classes, model_name)
     unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])  # keeps this run's fused/foreach flags
     scheduler.load_state_dict(state["scheduler"])
     # A bf16, fp32 or CPU run saves an empty scaler state ({}), which GradScaler refuses to load:
     # an fp16 run resumed from it starts its loss scale afresh.

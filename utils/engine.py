@@ -65,14 +65,16 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
     label_smoothing, class_weight: of the training loss. mix(images, labels) -> (images, soft
     targets): utils.optim.batch_mixer. clip_grad_norm (> 0): the gradients' total norm is
     clipped to it (after unscaling under fp16); its pre-clip value is summed on the device and
-    logged per window as train/grad_norm. ema: a utils.optim.WeightEMA updated after every step.
+    logged per window as train/grad_norm, the mean of the steps with finite gradients, beside
+    train/skipped_steps, the steps fp16's GradScaler skipped. ema: a utils.optim.WeightEMA.
     """
     model.train()
     logger = logger or RunLogger(".", enabled=False)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     window_sum = torch.zeros((), device=device, dtype=torch.float64)
     first_bad = torch.full((), _NO_BAD_STEP, device=device, dtype=torch.long)
-    norm_sum = torch.zeros((), device=device, dtype=torch.float64)
+    norm_sum = torch.zeros((), device=device, dtype=torch.float64)  # pre-clip norms of the finite steps
+    norm_count = torch.zeros((), device=device, dtype=torch.float64)  # and how many they were
     clipped = [p for g in optimizer.param_groups for p in g["params"]] if clip_grad_norm else []
     # DDP's no_sync: the non-final micro-batches only add to the local gradients.
     no_sync = getattr(model, "no_sync", None) if accum_steps > 1 else None
@@ -120,7 +122,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             continue
         if clip_grad_norm:
             scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-            norm_sum += torch.nn.utils.clip_grad_norm_(clipped, clip_grad_norm).double()  # no sync
+            norm = torch.nn.utils.clip_grad_norm_(clipped, clip_grad_norm).double()  # no sync
+            # fp16: GradScaler skips a step whose gradients overflowed; its inf norm stays out of the mean.
+            finite = torch.isfinite(norm)
+            norm_sum += torch.where(finite, norm, 0.0)
+            norm_count += finite
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
@@ -136,7 +142,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             # The one host sync (and all-reduce) per window; every rank reaches it at the same step.
             # A stop request rides in the same all-reduce: no extra collective on the hot path.
             flag = window_sum.new_tensor(float(stop is not None and stop.requested()))
-            summed = reduce_value(torch.stack([window_sum, flag, norm_sum]), average=False).tolist()
+            summed = reduce_value(torch.stack([window_sum, flag, norm_sum, norm_count]), average=False).tolist()
             window_loss, stopping = summed[0] / (window_batches * world_size), summed[1] > 0
             if not math.isfinite(window_loss):
                 bad = reduce_min(first_bad).item()  # all ranks saw the same NaN sum, all join this
@@ -153,8 +159,12 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, epoch, 
             # The lr the window ended with (a Python float, no sync): warm-up and cosine show as curves.
             logger.scalar("train/lr", optimizer.param_groups[0]["lr"], global_step)
             if clip_grad_norm:  # the mean pre-clip norm of the window (every rank clips the same reduced grads)
-                logger.scalar("train/grad_norm", summed[2] / (window_steps * world_size), global_step)
+                if summed[3]:
+                    logger.scalar("train/grad_norm", summed[2] / summed[3], global_step)
+                # Steps with inf/NaN gradients, which GradScaler skipped (fp16; otherwise 0).
+                logger.scalar("train/skipped_steps", window_steps - summed[3] / world_size, global_step)
                 norm_sum.zero_()
+                norm_count.zero_()
             window_sum.zero_()
             window_steps, window_batches, window_images, window_start = 0, 0, 0, now
             # The epoch's last step is followed by evaluation and the epoch checkpoint anyway.

@@ -25,9 +25,51 @@ def build_optimizer(model, optim_cfg, world_size=1, fused=False):
     extra = {"fused": True} if fused and "fused" in inspect.signature(cls).parameters else {}
     if optim_cfg.name == "sgd":
         params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=lr, momentum=optim_cfg.momentum,
-                               weight_decay=optim_cfg.weight_decay, **extra)
-    return torch.optim.AdamW(decay_groups(model, optim_cfg.weight_decay), lr=lr, **extra)
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=optim_cfg.momentum,
+                                    weight_decay=optim_cfg.weight_decay, **extra)
+    else:
+        optimizer = torch.optim.AdamW(decay_groups(model, optim_cfg.weight_decay), lr=lr, **extra)
+    zero_momentum(optimizer)
+    return optimizer
+
+
+def zero_momentum(optimizer):
+    """Give fused SGD zero momentum buffers before its first step.
+
+    Fused SGD makes them with torch.empty_like on its first step and returns early when
+    GradScaler skips that step (inf gradients, common at fp16's starting scale of 2**16):
+    the next step would take uninitialised memory for momentum. From zeros, the first real
+    step gives buf = momentum * 0 + grad = grad, plain SGD's first step exactly (no dampening)."""
+    for group in optimizer.param_groups:
+        if isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group["momentum"]:
+            for p in group["params"]:
+                if optimizer.state[p].get("momentum_buffer") is None:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# How the optimizer computes, not what: this run's choice, never a checkpoint's.
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer, saved):
+    """optimizer.load_state_dict(saved), keeping this optimizer's own implementation flags.
+
+    load_state_dict takes the saved groups' settings, `fused` included: an fp16 run (fused, for
+    GradScaler's on-device inf check) resumed from a bf16, fp32 or CPU checkpoint would step a plain
+    optimizer through GradScaler's fused branch and assert. The saved groups get this optimizer's
+    flags before loading, so torch also places the state (AdamW's step count) for this implementation."""
+    groups = [{**g, **{k: own[k] for k in _IMPLEMENTATION if k in own}}
+              for g, own in zip(saved["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
+    for group in optimizer.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            # A fused run keeps AdamW's step counts on the device; plain AdamW reads its count on
+            # the host each step, which would then be a host sync per step.
+            for p in group["params"]:
+                step = optimizer.state[p].get("step")
+                if torch.is_tensor(step) and step.device.type != "cpu":
+                    optimizer.state[p]["step"] = step.cpu()
+    zero_momentum(optimizer)
 
 
 _NORM_TYPES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm, torch.nn.LayerNorm,
