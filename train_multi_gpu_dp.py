@@ -2,6 +2,7 @@
 
     python train_multi_gpu_dp.py --config configs/demo.yaml
     CUDA_VISIBLE_DEVICES=0,1 python train_multi_gpu_dp.py --batch-size 32
+    python train_multi_gpu_dp.py --device cuda:1    # outputs gathered on GPU 1; every visible GPU still used
 
 --batch-size is the GLOBAL batch: each step scatters it over the GPUs, so it
 must be at least the number of GPUs. DataParallel is the easy path, not the
@@ -28,9 +29,10 @@ from utils.optim import AutocastForward, resolve_amp
 def main(argv=None):
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
-    # -- device: all visible GPUs, outputs gathered on the first --
+    # -- device: all visible GPUs, outputs gathered on the first: --device cuda:N's GPU, then the others --
     device = resolve_device(cfg.train.device)
-    gpu_ids = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    gpu_ids = [device.index] + [i for i in range(torch.cuda.device_count()) if i != device.index] \
+        if device.type == "cuda" else []
     if len(gpu_ids) > cfg.train.batch_size:
         raise UserError(f"--batch-size {cfg.train.batch_size} is smaller than the {len(gpu_ids)} GPUs "
                         "DataParallel splits it over; use at least one image per GPU")

@@ -13,7 +13,8 @@ precision and memory format throughout:
                   training pass, its ratio to (a), epoch seconds (train + eval),
                   peak device memory. The folder is the flower-sized generated set
                   (3,670 JPEGs, flower_photos' class counts, 240-500 px) unless --data;
-  (c) DDP at world size 1 vs the bare module, same step, several DDP options;
+  (c) DDP at world size 1 vs the bare module, same step, several DDP options
+      (with and without the per-forward buffer broadcast, ddp.broadcast_buffers);
   (d) on CPU, the project's step vs a bare PyTorch loop doing the same work
       (catches per-step host syncs and logging all-reduces).
 Timings are medians over interleaved repeats after warm-up; on CUDA every
@@ -255,7 +256,9 @@ def measure_ddp(args, device, amp_dtype, channels_last):
         ids = [device.index] if device.type == "cuda" else None
         options = {"ddp_pytorch_defaults": {}, "ddp_configured": configured,
                    "ddp_configured_static": {**configured, "static_graph": True},
-                   "ddp_configured_bucket100": {**configured, "bucket_cap_mb": 100}}
+                   "ddp_configured_bucket100": {**configured, "bucket_cap_mb": 100},
+                   # ddp.broadcast_buffers=true: rank 0's buffers broadcast at every forward (torch's default)
+                   "ddp_configured_broadcast_buffers": ddp_kwargs(load_config(["ddp.broadcast_buffers=true"]).ddp)}
         steps = {"bare": Step(args.model, device, amp_dtype, channels_last)}
         for name, kw in options.items():
             steps[name] = Step(args.model, device, amp_dtype, channels_last,

@@ -147,6 +147,40 @@ def eval_fixed(dist_info, image_root):
     return results
 
 
+def buffer_sync(dist_info):
+    """Six DDP steps of a BatchNorm net with the configured ddp options, and again with
+    ddp.broadcast_buffers=true: this rank's weights and buffers after them, and how many buffer
+    broadcasts the steps made (DDP's init sync is done before counting)."""
+    import torch.distributed as dist
+    from utils.distributed_utils import ddp_kwargs
+    report = {}
+    for name, overrides in (("configured", []), ("broadcast", ["ddp.broadcast_buffers=true"])):
+        cfg = load_config(["--device", "cpu"] + overrides)
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten(), nn.Linear(4, 5)), **ddp_kwargs(cfg.ddp))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        broadcasts, real = [0], dist._broadcast_coalesced
+
+        def counting(*args, **kwargs):
+            broadcasts[0] += 1
+            return real(*args, **kwargs)
+
+        dist._broadcast_coalesced = counting
+        try:
+            g = torch.Generator().manual_seed(100 + dist_info.rank)  # each rank its own batches
+            for _ in range(6):
+                images, labels = torch.randn(4, 3, 8, 8, generator=g) * 3, torch.randint(0, 5, (4,), generator=g)
+                nn.functional.cross_entropy(model(images), labels).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            dist._broadcast_coalesced = real
+        report[name] = {"state": {k: v.tolist() for k, v in model.module.state_dict().items()},
+                        "broadcasts": broadcasts[0]}
+    return report
+
+
 def split_and_shards(dist_info, image_root):
     """This rank's view of the split and of its training shards in epochs 0, 1 and 0 again."""
     split = split_dataset(image_root, 0.2, 0)
@@ -191,6 +225,7 @@ def main(argv):
                 "eval": eval_fixed(dist_info, image_root),
                 "fit": fit_tiny(dist_info, out / "fit", PER_RANK_BATCH, TRAIN_LR),
                 "accum": fit_accumulated(dist_info, out),
+                "buffers": buffer_sync(dist_info),
             }
     finally:
         cleanup()

@@ -286,7 +286,9 @@ def exempt_grad_scaler_step(scaler):
 def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
     """A resnet18 on CUDA under autocast (bf16; fp16 with its GradScaler): any synchronizing call
     in steps 1..n-1 of train_one_epoch raises under torch.cuda.set_sync_debug_mode("error").
-    recipe: also the EMA update, 2-batch accumulation, MixUp/CutMix, class weights, clipping."""
+    recipe: also the EMA update, 2-batch accumulation, MixUp/CutMix, class weights, clipping.
+    Scope: one process with plain BatchNorm. --syncBN with 2+ processes is torch's SyncBatchNorm, whose
+    forward masks the gathered statistics by batch size, a host sync per layer (36 per ResNet34 step)."""
     from utils.optim import WeightEMA, batch_mixer
     from model import create_model
     device = torch.device("cuda", torch.cuda.current_device())

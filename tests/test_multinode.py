@@ -12,6 +12,7 @@
 - the console in a file: one plain line per log window, rank 0 only, no carriage returns;
 - ddp.backend (gloo on CPU; nccl refused in one line) and the one-scan dataset split.
 """
+import inspect
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import data as data_module
@@ -177,8 +179,11 @@ def test_ddp_backend_gloo_auto_and_nccl_refused_on_cpu(monkeypatch):
         assert dist.get_backend() == "gloo"
     finally:
         cleanup()
-    kwargs = ddp_kwargs({"backend": "gloo", "bucket_cap_mb": 25, "static_graph": False})
-    assert kwargs == {"bucket_cap_mb": 25, "static_graph": False}  # what DistributedDataParallel accepts
+    kwargs = ddp_kwargs({"backend": "gloo", "bucket_cap_mb": 25, "static_graph": False, "broadcast_buffers": False})
+    # What DistributedDataParallel accepts; torch 2.13 renamed broadcast_buffers (the old name warns).
+    renamed = "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    assert kwargs == {"bucket_cap_mb": 25, "static_graph": False,
+                      "forward_sync_buffers" if renamed else "broadcast_buffers": False}
 
 
 def test_usr1_is_a_stop_request_like_sigterm():

@@ -245,6 +245,21 @@ def test_every_rank_gets_the_reduced_metrics(launch):
 
 
 @pytest.mark.slow
+def test_ddp_without_the_per_forward_buffer_broadcast_keeps_rank0s_state_bit_for_bit(launch):
+    """ddp.broadcast_buffers=false (the default): DDP broadcasts no buffers in training, and rank 0's
+    weights and BatchNorm statistics after six steps are exactly those of a run that broadcasts
+    them at every forward. The other ranks keep statistics of their own batches, which evaluation
+    replaces with rank 0's (test_distributed_eval_equals_single_process)."""
+    ranks = [r["buffers"] for r in launch["ranks"]]
+    assert all(r["configured"]["broadcasts"] == 0 for r in ranks)
+    assert all(r["broadcast"]["broadcasts"] == 6 for r in ranks)  # the count sees them when they happen
+    assert ranks[0]["configured"]["state"] == ranks[0]["broadcast"]["state"]
+    mean = "1.running_mean"
+    assert ranks[1]["configured"]["state"][mean] != ranks[0]["configured"]["state"][mean]
+    # Weights stay identical on every rank: gradients are all-reduced whatever happens to buffers.
+    assert all(r["configured"]["state"]["5.weight"] == ranks[0]["configured"]["state"]["5.weight"] for r in ranks)
+
+
 def test_dp_equals_single(image_root, tmp_path):
     """train_multi_gpu_dp.py with global batch B computes what train.py with batch B computes.
 
@@ -291,6 +306,31 @@ def test_dp_with_device_cpu_on_a_machine_with_gpus_trains_on_the_cpu(monkeypatch
     out = capsys.readouterr().out
     assert "no GPU: one cpu process without DataParallel" in out and "on cpu" in out
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+
+
+def test_dp_with_device_cuda_n_puts_that_gpu_first(monkeypatch, image_root):
+    """--device cuda:2 on four GPUs (faked): DataParallel gathers on cuda:2 and still uses all four.
+    It used to take [0, 1, 2, 3] whatever --device said, with the outputs on cuda:0."""
+    spec = importlib.util.spec_from_file_location("dp_script", REPO / "train_multi_gpu_dp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(script, "use_device", lambda device: None)
+    monkeypatch.setattr(script, "build_model", lambda *a, **k: torch.nn.Linear(2, 2))  # stays on the CPU
+    wrapped = {}
+
+    class Captured(Exception):
+        pass
+
+    def data_parallel(module, device_ids):
+        wrapped["device_ids"] = device_ids
+        raise Captured
+
+    monkeypatch.setattr(script.nn, "DataParallel", data_parallel)
+    with pytest.raises(Captured):
+        script.main(FAST_ARGS + ["--device", "cuda:2", "train.amp=off", "--data-path", str(image_root)])
+    assert wrapped["device_ids"] == [2, 0, 1, 3]
 
 
 @pytest.mark.slow

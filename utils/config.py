@@ -98,6 +98,7 @@ class DDPConfig:
     bucket_cap_mb: int = MISSING
     gradient_as_bucket_view: bool = MISSING
     static_graph: bool = MISSING
+    broadcast_buffers: bool = MISSING
 
 
 @dataclass

@@ -5,6 +5,7 @@ no --local_rank argument. Rule used everywhere: every rank calls every
 collective; only the side effects (files, prints, bars) are rank-0 guarded.
 """
 import datetime
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -113,8 +114,18 @@ def resolve_backend(requested, want_cuda):
 
 def ddp_kwargs(ddp_cfg):
     """The config's ddp section as DistributedDataParallel's keyword arguments: all but `backend`,
-    which is the process group's (init_distributed_mode), not DDP's."""
-    return {key: value for key, value in dict(ddp_cfg).items() if key != "backend"}
+    which is the process group's (init_distributed_mode), not DDP's.
+
+    ddp.broadcast_buffers (off by default): training forwards in train mode never read the running
+    statistics, evaluate() broadcasts rank 0's first and checkpoints hold rank 0's, so the per-forward
+    broadcast (108 tensors for ResNet34) changes nothing that is kept. torch 2.13 renamed it
+    forward_sync_buffers and warns about the old name; before that, broadcast_buffers=False also left
+    buffers out of DDP's initial sync, which is harmless here: every rank builds the same buffers."""
+    kwargs = dict(ddp_cfg)
+    kwargs.pop("backend")
+    renamed = "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    kwargs["forward_sync_buffers" if renamed else "broadcast_buffers"] = kwargs.pop("broadcast_buffers")
+    return kwargs
 
 
 def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto"):
