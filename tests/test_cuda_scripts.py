@@ -91,3 +91,19 @@ def test_dataparallel_replicas_compute_in_the_chosen_autocast_dtype():
     # torch's own behaviour, the reason for the wrapper (if a later torch passes the dtype on, this
     # line fails and the wrapper can go).
     assert {t.dtype for t in bare} == {torch.float16}
+
+
+def test_an_fp16_run_resumes_a_bf16_checkpoint(data, tmp_path):
+    """train.amp=fp16 builds a fused optimizer under a GradScaler; resuming a bf16 run's checkpoint
+    (a plain optimizer's state) once asserted at the first step. On the CPU rehearsal amp is off."""
+    out = tmp_path / "run"
+    first = run_entry("train.py", *_args(data, out, "train.epochs=1", "train.amp=bf16"), timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_entry("train.py", *_args(data, out, "train.epochs=2", "train.amp=fp16", "--resume", "auto"),
+                      timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout, again.stdout[-2000:]
+    if DEVICE == "cuda":
+        assert "amp torch.float16" in again.stdout, again.stdout[-2000:]
+    assert [m["epoch"] for m in _metrics(out)] == [1, 2]
+    assert all(m["train_loss"] == m["train_loss"] for m in _metrics(out))  # no NaN
