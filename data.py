@@ -472,7 +472,9 @@ def resolve_num_workers(requested, device, procs_per_node=1):
     return max(1, min(8, (os.cpu_count() or 1) // procs_per_node))
 
 
-def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per_node=None):
+def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per_node=None, channels_last=False):
+    """channels_last (model.channels_last): the gpu pipeline writes its batches in that layout on CUDA,
+    so the loop's conversion finds nothing to do; elsewhere, as for the model, it is off."""
     if dataset is None:  # --eval-only: no training set
         return None
     # Processes on this node share its cores for workers; torchrun says how many.
@@ -485,7 +487,8 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     # The fast path (data.pipeline, utils/gpu_pipeline.py) reproduces the train transform built above, or refuses.
     if resolve_pipeline(data_cfg.pipeline, device, build_transforms(**_transform_args(data_cfg))[0]) == "gpu":
         return GpuLoader(dataset, batch_size, sampler, data_cfg, device, train, workers=workers,
-                         verbose=is_main_process(), procs_per_node=procs_per_node)
+                         channels_last=channels_last and device.type == "cuda", verbose=is_main_process(),
+                         procs_per_node=procs_per_node)
     # No persistent_workers: workers take their seeds when an epoch starts, so a per-epoch
     # reseed of `generator` only reaches fresh workers (it keeps resumed runs exact).
     return DataLoader(

@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import torch
 import torchvision
 from torch import nn
-from torchvision.ops.misc import FrozenBatchNorm2d
+from torchvision.ops import misc as tv_misc
 
 from utils.checkpoint import load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
@@ -203,6 +203,20 @@ def load_weights(model, path, map_location="cpu"):
     return "\n".join(report)
 
 
+class FrozenBatchNorm2d(tv_misc.FrozenBatchNorm2d):
+    """torchvision's FrozenBatchNorm2d (same buffers and state_dict), returning the input's dtype.
+
+    Its forward multiplies by its fp32 buffers, and autocast leaves elementwise ops alone, so a
+    bf16/fp16 activation came out fp32: every frozen layer doubled its traffic and the next layer
+    cast it back. The scale and shift are computed in fp32 (C values), then applied in x's dtype.
+    """
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + self.eps).rsqrt()
+        shift = self.bias - self.running_mean * scale
+        return x * scale.to(x.dtype).reshape(1, -1, 1, 1) + shift.to(x.dtype).reshape(1, -1, 1, 1)
+
+
 def freeze_all_but_head(model, num_classes=None):
     """Train only the classifier head (find_head); returns its name.
 
@@ -248,13 +262,14 @@ def sync_bn_wanted(model, sync_bn, verbose=True):
     return sync_bn
 
 
-def _probe(model, name, img_size):
+def _probe(model, name, img_size, device):
     """One eval-mode forward at the training size: a model that cannot take it stops here in one
-    line, not mid-epoch with a traceback. Zeros, no grad: no random draw, no statistic changes."""
+    line, not mid-epoch with a traceback. Zeros, no grad: no random draw, no statistic changes.
+    On `device`, where the model already is: on the CPU a ViT-L-sized forward takes seconds per process."""
     training = model.training
     try:
         with torch.no_grad():
-            model.eval()(torch.zeros(1, 3, img_size, img_size))
+            model.eval()(torch.zeros(1, 3, img_size, img_size, device=device))
     except (RuntimeError, ValueError, AssertionError, IndexError) as e:
         raise UserError(f"model.name={name} does not run at data.img_size={img_size}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", every_rank=True)
@@ -271,8 +286,6 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
         report = load_weights(model, model_cfg.weights)
         if verbose:
             print(report)
-    if img_size:
-        _probe(model, model_cfg.name, img_size)
     if model_cfg.bn_momentum is not None:
         # MobileNetV3 and EfficientNet use 0.01, tuned for ImageNet's long schedules: after a few
         # hundred steps their running statistics still lag the weights, and evaluation suffers.
@@ -288,6 +301,8 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
     model.to(device)
     if model_cfg.channels_last and device.type == "cuda":
         model.to(memory_format=torch.channels_last)
+    if img_size:
+        _probe(model, model_cfg.name, img_size, device)
     return model
 
 

@@ -1,6 +1,9 @@
 """data.pipeline=gpu: same augmentation distribution, same validation, reproducible, works in the real scripts.
 
     python -m pytest tests/test_gpu_pipeline.py -q            # CPU; the CUDA part skips without a GPU
+
+In-process tests use this file's own plain transforms (plain_transforms), not data.build_transforms:
+that one is the user's to edit, and an added ColorJitter is refused by the device path on purpose.
 """
 import math
 
@@ -20,7 +23,23 @@ from utils import gpu_pipeline
 from utils.config import load_config
 from utils.distributed_utils import resolve_device
 from utils.errors import UserError
-from utils.gpu_pipeline import check_cache_fits, crop_theta, resolve_pipeline, sample_crops
+from utils.gpu_pipeline import (GpuLoader, check_cache_fits, crop_theta, pinned_block_bytes, resolve_pipeline,
+                                 sample_crops)
+
+
+def plain_transforms(img_size, val_resize, min_crop_scale=0.08):
+    """(train, val) as data.build_transforms ships them: exactly the steps the device path reproduces."""
+    norm = T.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)
+    train = T.Compose([T.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
+                       T.ToTensor(), norm])
+    return train, T.Compose([T.Resize(val_resize), T.CenterCrop(img_size), T.ToTensor(), norm])
+
+
+@pytest.fixture(autouse=True)
+def plain_transform(monkeypatch):
+    """data.py (build_datasets, make_loader, hence train.main) builds plain_transforms in these tests."""
+    monkeypatch.setattr(data, "build_transforms", plain_transforms)
+
 
 # Image sizes like flower_photos (240-500 px) plus extreme strips that force the centre-crop fallback.
 SIZES = [(240, 500), (333, 500), (500, 375), (480, 480), (260, 300), (60, 500), (500, 40)]
@@ -97,8 +116,10 @@ def _cfg(root, *extra, device="cpu"):
 
 def _loaders(cfg, device=torch.device("cpu")):
     train_set, val_set, _ = build_datasets(cfg.data)
-    train = make_loader(train_set, cfg.train.batch_size, epoch_sampler(train_set, 0), cfg.data, device, train=True)
-    val = make_loader(val_set, cfg.train.batch_size, ShardSampler(val_set), cfg.data, device, train=False)
+    train = make_loader(train_set, cfg.train.batch_size, epoch_sampler(train_set, 0), cfg.data, device, train=True,
+                        channels_last=cfg.model.channels_last)
+    val = make_loader(val_set, cfg.train.batch_size, ShardSampler(val_set), cfg.data, device, train=False,
+                      channels_last=cfg.model.channels_last)
     return train, val
 
 
@@ -149,18 +170,21 @@ def test_pipeline_key_is_validated():
         load_config(["data.pipeline=dali"])
 
 
-def test_an_empty_validation_split_trains(tmp_path):
-    """data.val_rate=0: the val cache is empty (torch.cat([]) used to fail in build_cache)."""
+def test_an_empty_validation_split_trains(tmp_path, capsys):
+    """data.val_rate=0: the val cache is empty (torch.cat([]) used to fail in build_cache).
+    train.py's main in this process, so that it sees plain_transforms."""
     root = make_image_folder(tmp_path / "f", per_class=4)
-    args = [*FAST_ARGS, "--data-path", root, "--output-dir", tmp_path / "run", "data.pipeline=gpu",
+    args = [*FAST_ARGS, "--data-path", str(root), "--output-dir", str(tmp_path / "run"), "data.pipeline=gpu",
             "data.val_rate=0"]
-    r = run_entry("train.py", *args)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "20 train / 0 val images" in r.stdout
+    try:
+        train_script.main(args)
+    except SystemExit as e:
+        pytest.fail(f"exit {e.code}: {capsys.readouterr().err[-2000:]}")
+    assert "20 train / 0 val images" in capsys.readouterr().out
 
 
 def _with_color_jitter(monkeypatch):
-    """data.py's train transform plus a ColorJitter, as a user would add it; counts its calls."""
+    """The train transform plus a ColorJitter, as a user would add it to data.py; counts its calls."""
     real = data.build_transforms
     calls = []
 
@@ -203,7 +227,7 @@ def test_an_added_augmentation_is_applied_or_refused_never_dropped(pipeline, tmp
 
 def test_auto_takes_the_device_path_only_where_it_reproduces_the_transform(monkeypatch):
     cuda0 = torch.device("cuda", 0)  # resolve_pipeline only reads .type: no GPU needed
-    plain = data.build_transforms(32, 36)[0]
+    plain = plain_transforms(32, 36)[0]
     assert resolve_pipeline("auto", cuda0, plain) == "gpu"
     assert resolve_pipeline("auto", torch.device("cpu"), plain) == "pil"
     _with_color_jitter(monkeypatch)
@@ -211,7 +235,7 @@ def test_auto_takes_the_device_path_only_where_it_reproduces_the_transform(monke
 
 
 def test_device_path_takes_its_parameters_from_the_transform(tmp_path):
-    """Crop size, scale and ratio, flip probability, mean and std come from data.py's transform."""
+    """Crop size, scale and ratio, flip probability, mean and std come from the dataset's transform."""
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     train, _ = _loaders(_cfg(root, "data.pipeline=gpu", "data.min_crop_scale=0.5"))
     crop, flip, _, norm = train.dataset.transform.transforms
@@ -240,6 +264,18 @@ def test_a_cache_over_half_of_its_memory_share_is_refused(need_gib, available_gi
         call()
 
 
+def test_a_pinned_cache_is_budgeted_at_its_power_of_two_block():
+    """torch's pinned allocator rounds a block up to a power of two: 2.1 GiB takes 4 GiB. Of 6 GiB
+    available the raw 2.1 fits under half (3 GiB), the real block does not; unpinned, 2.1 GiB is let through."""
+    assert [pinned_block_bytes(n) for n in (0, 1, 4096, 4097, 3 * 2**30)] == [0, 1, 4096, 8192, 4 * 2**30]
+    need, available = int(2.1 * 2**30), 6 * 2**30
+    check_cache_fits(need, available, 1, "host memory")
+    with pytest.raises(UserError, match=r"would cache 2.10 GiB \(a 4.00 GiB pinned block\) in pinned host memory, "
+                                        r"over half of the 6.00 GiB available"):
+        check_cache_fits(need, available, 1, "pinned host memory", pinned=True)
+    check_cache_fits(2 * 2**30, 4 * 2**30, 1, "pinned host memory", pinned=True)  # a power of two: no rounding
+
+
 def test_the_loader_checks_the_budget_before_decoding(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     cfg = _cfg(root, "data.pipeline=gpu", "data.cache_size=64")
@@ -251,6 +287,41 @@ def test_the_loader_checks_the_budget_before_decoding(tmp_path, monkeypatch):
                                         r"available / 2 processes on this node"):
         make_loader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, torch.device("cpu"), True,
                     procs_per_node=2)
+
+
+def test_make_loader_passes_channels_last_on_cuda_only(tmp_path, monkeypatch):
+    """model.channels_last reaches the device path's loader on CUDA (else the loop converts every
+    batch again); on the CPU it stays off, as for the model. GpuLoader is recorded, not built, for cuda."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    cfg = _cfg(root, "data.pipeline=gpu")
+    train_set, _, _ = build_datasets(cfg.data)
+    cpu = make_loader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, torch.device("cpu"), True,
+                      channels_last=True)
+    assert isinstance(cpu, GpuLoader) and cpu.channels_last is False
+    built = []
+    monkeypatch.setattr(data, "GpuLoader", lambda *a, **k: built.append(k))
+    for flag in (True, False):
+        make_loader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, torch.device("cuda", 0), True,
+                    channels_last=flag)
+    assert [k["channels_last"] for k in built] == [True, False]
+
+
+def test_channels_last_batches_hold_the_same_numbers(tmp_path):
+    """GpuLoader(channels_last=True) writes that layout directly; train and val values are unchanged."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    cfg = _cfg(root, "data.pipeline=gpu")
+    train_set, val_set, _ = build_datasets(cfg.data)
+    cpu = torch.device("cpu")
+    for dataset, sampler, train in ((train_set, epoch_sampler(train_set, 0), True),
+                                    (val_set, ShardSampler(val_set), False)):
+        batches = {}
+        for layout in (False, True):
+            loader = GpuLoader(dataset, 4, sampler, cfg.data, cpu, train, channels_last=layout, verbose=False)
+            loader.generator.manual_seed(1)
+            batches[layout] = [x for x, _ in loader]
+        for x, y in zip(batches[False], batches[True]):
+            assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+            assert x.is_contiguous() and torch.equal(x, y)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -267,6 +338,7 @@ def test_cuda_pipeline_matches_cpu_and_never_syncs(tmp_path):
     # data.cache_on_device: the cache lives in GPU memory and batches are gathered there. (A device
     # comparison, cuda:0 != cuda, once sent this cache down the host branch, which failed.)
     assert train_gpu.images.is_cuda and train_gpu.on_device
+    assert cfg.model.channels_last and train_gpu.channels_last and val_gpu.channels_last  # the default on CUDA
     for loader in (train_gpu, train_cpu):
         loader.sampler.set_epoch(0)
         loader.generator.manual_seed(3)
@@ -277,7 +349,7 @@ def test_cuda_pipeline_matches_cpu_and_never_syncs(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for (xg, yg), (xc, yc) in zip(gpu_batches, train_cpu):
-        assert xg.is_cuda and torch.equal(yg.cpu(), yc)
+        assert xg.is_cuda and torch.equal(yg.cpu(), yc) and xg.is_contiguous(memory_format=torch.channels_last)
         assert (xg.cpu() - xc).abs().max() < 1e-3  # same boxes, same interpolation, other hardware
     for (xg, _), (xc, _) in zip(val_gpu, val_cpu):
         assert (xg.cpu() - xc).abs().max() < 1e-5

@@ -152,6 +152,55 @@ def test_your_own_module_in_MODELS(monkeypatch):
         load_config(["model.name=tiny_cnn", "model.pretrained=DEFAULT"])
 
 
+def test_frozen_batchnorm_keeps_the_autocast_dtype():
+    """--freeze-layers under bf16 autocast: a frozen layer's output is bf16 like its input (it was
+    fp32: its fp32 buffers promoted it), within bf16 rounding of the fp32 result; fp32 is unchanged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 4))
+    bn = model[1]
+    with torch.no_grad():  # statistics far from the identity, so scale and shift both matter
+        for t in (bn.weight, bn.bias, bn.running_mean):
+            t.normal_()
+        bn.running_var.uniform_(0.1, 2.0)
+    freeze_all_but_head(model, 4)
+    frozen = model[1]
+    assert isinstance(frozen, torchvision.ops.misc.FrozenBatchNorm2d)  # its state_dict and checks still hold
+    seen = {}
+    frozen.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 3, 10, 10))
+    x, out = seen["x"], seen["out"]
+    assert x.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+    ref = torchvision.ops.misc.FrozenBatchNorm2d.forward(frozen, x.float())  # torchvision's own, in fp32
+    assert torch.equal(frozen(x.float()), ref)
+    scale = (frozen.weight * (frozen.running_var + frozen.eps).rsqrt()).view(1, -1, 1, 1)
+    shift = (frozen.bias - frozen.running_mean * scale.flatten()).view(1, -1, 1, 1)
+    # Rounded four times (scale, shift, product, sum), each within 2^-8 of its value.
+    bound = 3 * 2**-8 * ((x.float() * scale).abs() + shift.abs())
+    assert ((out.float() - ref).abs() <= bound).all()
+
+
+def test_the_probe_forward_runs_on_the_target_device(monkeypatch):
+    """build_model's probe forward (the size check) runs once the model is on `device`, in eval mode
+    and without grad, and leaves train mode on. The meta device stands in for a GPU."""
+    calls = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, num_classes)
+
+        def forward(self, x):
+            calls.append((x.device.type, self.fc.weight.device.type, self.training, torch.is_grad_enabled()))
+            return self.fc(x.mean((2, 3)))
+
+    monkeypatch.setitem(model_module.MODELS, "recorder", Recorder)
+    model = build_model(load_config(["model.name=recorder"]).model, 3, torch.device("meta"), img_size=32)
+    assert calls == [("meta", "meta", False, False)]
+    assert model.training and model.fc.weight.is_meta
+
+
 def test_head_is_the_last_layer_with_the_class_count():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 3))
     assert find_head(model, 3)[0] == "2"

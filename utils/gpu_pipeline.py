@@ -44,7 +44,8 @@ copy per GPU in device memory, or one per process in pinned host RAM, so decode
 work and host memory grow with the processes on a node. Before decoding, a
 cache that would take more than half of the memory it can have (the free memory
 of its GPU, or the host's available RAM divided among this node's processes)
-is refused with one line. For such sets use the default PIL path.
+is refused with one line; a pinned cache is counted at the power of two that
+torch's pinned allocator rounds it up to. For such sets use the default PIL path.
 """
 import copy
 import math
@@ -107,14 +108,24 @@ def host_available_bytes():
         return None
 
 
-def check_cache_fits(need_bytes, available_bytes, sharing, where):
-    """Refuse a cache over half of the memory it can have: `available_bytes` shared by `sharing` processes."""
+def pinned_block_bytes(n_bytes):
+    """What torch.empty(n_bytes, pin_memory=True) really takes of the host."""
+    # torch's CachingHostAllocator::allocate rounds every block up to a power of two (PowerOf2Ceil) unless
+    # PYTORCH_ALLOC_CONF sets pinned_max_round_threshold_mb; counting the default errs on the safe side.
+    return 1 << (int(n_bytes) - 1).bit_length() if n_bytes > 0 else 0
+
+
+def check_cache_fits(need_bytes, available_bytes, sharing, where, pinned=False):
+    """Refuse a cache over half of the memory it can have: `available_bytes` shared by `sharing` processes.
+    pinned: the cache is one pinned host block, counted at its rounded size (pinned_block_bytes)."""
     if available_bytes is None:
         return
     budget = available_bytes / max(sharing, 1) / 2
-    if need_bytes > budget:
+    taken = pinned_block_bytes(need_bytes) if pinned else need_bytes
+    if taken > budget:
         share = f" / {sharing} processes on this node" if sharing > 1 else ""
-        raise UserError(f"data.pipeline=gpu would cache {_size(need_bytes)} in {where}, over half of "
+        rounded = f" (a {_size(taken)} pinned block)" if taken != need_bytes else ""
+        raise UserError(f"data.pipeline=gpu would cache {_size(need_bytes)}{rounded} in {where}, over half of "
                         f"the {_size(available_bytes)} available{share}; use data.pipeline=pil, "
                         "or a smaller data.cache_size")
 
@@ -186,9 +197,13 @@ def crop_theta(boxes, flip, heights, widths):
     return theta.float()
 
 
-def normalize(images_uint8, mean, std):
-    """uint8 NCHW -> normalised float: the same ops as ToTensor + Normalize, so the same numbers."""
-    return images_uint8.float().div(255).sub(mean).div(std)
+def normalize(pixels, mean, std, channels_last=False):
+    """NCHW pixels in 0..255 (uint8, or float after the crop) -> normalised float32: the same ops as
+    ToTensor + Normalize, so the same numbers. channels_last: the first op writes that layout, which
+    saves the separate full-batch copy a conversion afterwards would make."""
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device, memory_format=layout)
+    return torch.div(pixels, 255, out=out).sub_(mean).div_(std)
 
 
 class _TrainCacheItem:
@@ -270,7 +285,7 @@ class GpuLoader:
         if self.on_device:
             check_cache_fits(need, torch.cuda.mem_get_info(device)[0], 1, f"the memory of {device}")
         else:
-            check_cache_fits(need, host_available_bytes(), procs_per_node, where)
+            check_cache_fits(need, host_available_bytes(), procs_per_node, where, pinned=pin)
         images, self.sizes, labels = build_cache(dataset, item, workers, pin=pin)
         self.images = images.to(device) if self.on_device else images
         self.labels = labels.to(device)
@@ -309,12 +324,7 @@ class GpuLoader:
             # Interpolating uint8 values keeps normalisation identical to the PIL path's order of ops.
             pixels = F.grid_sample(pixels.float(), grid, mode="bilinear", padding_mode="border",
                                    align_corners=False)
-            images = pixels.div(255).sub(self.mean).div(self.std)
-        else:
-            images = normalize(pixels, self.mean, self.std)
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return images, labels
+        return normalize(pixels, self.mean, self.std, self.channels_last), labels
 
 
 def _to(t, device, pin):
