@@ -35,9 +35,11 @@ def main(argv=None):
     # -- data: the whole training set on this one process, reshuffled every epoch --
     train_set, val_set, classes = build_datasets(cfg.data, eval_only=cfg.eval_only)
     train_sampler = epoch_sampler(train_set, cfg.train.seed, kind=cfg.data.sampler)
-    train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
+    train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True,
+                               channels_last=cfg.model.channels_last)
     val_sampler = ShardSampler(val_set)
-    val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
+    val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False,
+                               channels_last=cfg.model.channels_last)
 
     # -- model: no wrapper --
     model = build_model(cfg.model, len(classes), device, img_size=cfg.data.img_size)

@@ -37,9 +37,11 @@ def main(argv=None):
     # -- data: a disjoint shard per rank, reshuffled each epoch (set_epoch in fit); exact, unpadded val shards --
     train_set, val_set, classes = build_datasets(cfg.data, eval_only=cfg.eval_only)
     train_sampler = epoch_sampler(train_set, cfg.train.seed, world, rank, kind=cfg.data.sampler)
-    train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True)
+    train_loader = make_loader(train_set, cfg.train.batch_size, train_sampler, cfg.data, device, train=True,
+                               channels_last=cfg.model.channels_last)
     val_sampler = ShardSampler(val_set, world, rank)
-    val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False)
+    val_loader = make_loader(val_set, cfg.train.batch_size, val_sampler, cfg.data, device, train=False,
+                               channels_last=cfg.model.channels_last)
 
     # -- model: SyncBN (CUDA only), then one DDP replica per process --
     model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size)
