@@ -17,7 +17,7 @@ from model import build_model
 from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
-from utils.engine import fit
+from engine import fit
 
 
 @cli_entry

@@ -22,7 +22,7 @@ from model import build_model, sync_bn_wanted
 from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import convert_sync_bn, ddp_kwargs, init_distributed_mode
-from utils.engine import fit
+from engine import fit
 
 
 @cli_entry

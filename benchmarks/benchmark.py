@@ -6,7 +6,7 @@
 
 One run measures, on the current device and with the same model, batch,
 precision and memory format throughout:
-  (a) ceiling     the project's own train step (utils.engine.train_one_epoch) on
+  (a) ceiling     the project's own train step (engine.train_one_epoch) on
                   device-resident synthetic batches: what the GPU can do;
   (b) end to end  train.py's real loop (train.main: loaders, fit, eval, checkpoints)
                   over a real JPEG folder, per data.pipeline; img/s of the
@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from model import create_model  # noqa: E402
-from utils.engine import train_one_epoch  # noqa: E402
+from engine import train_one_epoch  # noqa: E402
 from utils.optim import build_optimizer, build_scaler, build_scheduler, resolve_amp  # noqa: E402
 
 DDP_BOUND, BARE_BOUND, RATIO_TARGET, EPOCH_TARGET_S = 1.05, 1.05, 0.90, 0.6

@@ -28,8 +28,8 @@ from data import ShardSampler, build_datasets, epoch_sampler, make_loader, split
 from model import build_model  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.distributed_utils import DistInfo, cleanup, convert_sync_bn, init_distributed_mode  # noqa: E402
-from utils import engine  # noqa: E402
-from utils.engine import evaluate, fit  # noqa: E402
+import engine  # noqa: E402
+from engine import evaluate, fit  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 PER_RANK_BATCH = 2      # DDP batch per process in the gradient test; the single run uses world x this

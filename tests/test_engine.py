@@ -1,4 +1,4 @@
-"""utils/engine.py, called directly on tiny in-memory data: evaluate, train_one_epoch and fit.
+"""engine.py, called directly on tiny in-memory data: evaluate, train_one_epoch and fit.
 
     python -m pytest tests/test_engine.py -q
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from data import ShardSampler, epoch_sampler, make_loader
-from utils import engine
+import engine
 from utils.config import load_config
 from utils.distributed_utils import DistInfo
 from utils.errors import RUNTIME_EXIT, UserError

@@ -14,7 +14,7 @@ import torch
 
 from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fixture
 from utils.config import load_config
-from utils.engine import train_one_epoch
+from engine import train_one_epoch
 from utils.errors import UserError
 from utils.optim import (AutocastForward, WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler,
                          class_weights, resolve_amp)

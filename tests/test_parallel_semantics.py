@@ -76,7 +76,7 @@ def evaluate_checkpoint(run_dir, image_root):
     from data import ShardSampler, build_datasets, make_loader
     from model import build_model
     from utils.config import load_config
-    from utils.engine import evaluate
+    from engine import evaluate
     cfg, cpu, threads = load_config(FAST_ARGS + ["--data-path", str(image_root)]), torch.device("cpu"), \
         torch.get_num_threads()
     _, val_set, classes = build_datasets(cfg.data)

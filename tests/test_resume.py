@@ -18,7 +18,7 @@ import torch
 import train
 from _resume_utils import assert_same_run, load, metrics, one_thread, run_args, run_main  # noqa: F401
 from conftest import make_image_folder
-from utils import engine
+import engine
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -155,7 +155,7 @@ def test_skewed_classes_through_train_py(recipe, tmp_path, monkeypatch, capsys):
     import train
     from _resume_utils import run_main
     from conftest import FAST_ARGS, REPO, make_image_folder
-    from utils import engine
+    import engine
     root = make_image_folder(tmp_path / "skewed", per_class=20)
     for folder in sorted(root.iterdir())[1:]:  # daisy keeps 20
         for image in sorted(folder.iterdir())[5:]:
