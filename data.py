@@ -16,6 +16,7 @@ is replaced by the next readable one, warned about once with its path and
 counted as `bad_images` in metrics.jsonl; data.bad_image=error stops instead,
 and data.verify=true decodes every image once before training.
 """
+import enum
 import functools
 import os
 import socket
@@ -30,9 +31,11 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
+from utils.config import config_to_dict, load_config
 from utils.distributed_utils import broadcast_object, gather_objects, get_rank, get_world_size, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
+from utils.optim import use_channels_last
 
 # PIL's own decompression-bomb check warns or fails without naming the file;
 # load_rgb applies data.max_image_pixels itself, with the path in the message.
@@ -196,6 +199,12 @@ def _transform_args(data_cfg):
     return dict(img_size=data_cfg.img_size, val_resize=data_cfg.val_resize, min_crop_scale=data_cfg.min_crop_scale)
 
 
+def trained_data_config(config):
+    """The data section a checkpoint's model was trained with (`config`: the checkpoint's config dict),
+    each key it lacks (an older or hand-made checkpoint) taken from configs/default.yaml."""
+    return {**config_to_dict(load_config([]))["data"], **(config.get("data") or {})}
+
+
 def build_transforms(img_size, val_resize, min_crop_scale=0.08):
     """(train, val) transforms. Add your augmentation to `train`; data.pipeline=gpu reproduces only
     RandomResizedCrop, RandomHorizontalFlip, ToTensor and Normalize and refuses anything else."""
@@ -250,15 +259,22 @@ def load_rgb(path, max_pixels=0):
         raise BadImage(f"cannot decode '{path}': {why}") from None
 
 
+class BadStatus(enum.IntEnum):
+    """What ImageList.bad_status holds for each file (one uint8 per sample)."""
+    NOT_KNOWN = 0   # not known to be bad: it decoded, or was not read yet
+    FOUND = 1       # failed to decode, and rank 0 has not warned about it yet
+    REPORTED = 2    # failed to decode, and rank 0 has warned about it
+
+
 class ImageList(Dataset):
     """(path, label) pairs -> (tensor, label); any image mode becomes RGB.
 
     An unreadable image is replaced by the next readable one (same index ->
     same substitute, so batch sizes, step counts and DDP shards stay equal),
     or raises BadImageError with bad_image="error". Which files are bad is kept
-    in a shared-memory tensor, so what DataLoader workers find reaches the
-    main process (see sync_bad_images); 0 = not known bad, 1 = bad, 2 = bad and
-    reported. Rank 0 warns at once; other ranks' finds are reported at epoch end.
+    in a shared-memory tensor of BadStatus codes, so what DataLoader workers find
+    reaches the main process (see sync_bad_images). Rank 0 warns at once; other
+    ranks' finds are reported at epoch end.
     The training loop calls `sync_bad_images` of any dataset that has one.
     """
 
@@ -269,7 +285,7 @@ class ImageList(Dataset):
         self.max_pixels = max_pixels
         self.known_bad = known_bad  # removed before training by data.verify; counted in bad_images
         self.report_now = is_main_process()
-        self.bad = torch.zeros(max(len(samples), 1), dtype=torch.uint8).share_memory_()
+        self.bad_status = torch.full((max(len(samples), 1),), BadStatus.NOT_KNOWN, dtype=torch.uint8).share_memory_()
 
     def __len__(self):
         return len(self.samples)
@@ -283,7 +299,7 @@ class ImageList(Dataset):
         n = len(self.samples)
         for i in range(index, index + n):
             i %= n
-            if self.bad[i]:
+            if self.bad_status[i] != BadStatus.NOT_KNOWN:
                 continue
             path, label = self.samples[i]
             try:
@@ -292,7 +308,7 @@ class ImageList(Dataset):
                 if self.bad_image == "error":
                     raise BadImageError(f"{e}; fix or remove it, or set data.bad_image=warn to skip "
                                         "unreadable images") from None
-                self.bad[i] = 2 if self.report_now else 1
+                self.bad_status[i] = BadStatus.REPORTED if self.report_now else BadStatus.FOUND
                 if self.report_now:
                     print(f"warning: skipping unreadable image: {e}", file=sys.stderr, flush=True)
                 continue
@@ -307,14 +323,15 @@ class ImageList(Dataset):
         A collective: every rank calls it (fit does, after each epoch). Rank 0
         warns about the files only other ranks met; all ranks then skip them.
         """
-        found = sorted(set().union(*gather_objects(self.bad.nonzero().flatten().tolist())))
+        mine = (self.bad_status != BadStatus.NOT_KNOWN).nonzero().flatten().tolist()
+        found = sorted(set().union(*gather_objects(mine)))
         for i in found:
-            if self.bad[i] != 2 and self.report_now:
+            if self.bad_status[i] != BadStatus.REPORTED and self.report_now:
                 try:
                     load_rgb(self.samples[i][0], self.max_pixels)
                 except BadImage as e:
                     print(f"warning: skipping unreadable image: {e}", file=sys.stderr, flush=True)
-        self.bad[found] = 2
+        self.bad_status[found] = BadStatus.REPORTED
         return len(found) + self.known_bad
 
 
@@ -487,7 +504,7 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     # The fast path (data.pipeline, utils/gpu_pipeline.py) reproduces the train transform built above, or refuses.
     if resolve_pipeline(data_cfg.pipeline, device, build_transforms(**_transform_args(data_cfg))[0]) == "gpu":
         return GpuLoader(dataset, batch_size, sampler, data_cfg, device, train, workers=workers,
-                         channels_last=channels_last and device.type == "cuda", verbose=is_main_process(),
+                         channels_last=use_channels_last(channels_last, device), verbose=is_main_process(),
                          procs_per_node=procs_per_node)
     # No persistent_workers: workers take their seeds when an epoch starts, so a per-epoch
     # reseed of `generator` only reaches fresh workers (it keeps resumed runs exact).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from data import IMAGENET_MEAN, IMAGENET_STD
+from data import IMAGENET_MEAN, IMAGENET_STD, trained_data_config
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
 from utils.errors import RUNTIME_EXIT, UserError
@@ -66,8 +66,8 @@ def main(argv=None):
     out = Path(args.out) if args.out else ckpt_path.with_suffix(FORMATS[args.format])
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
-    data_cfg = config.get("data") or {}
-    size = int(data_cfg.get("img_size", 224))
+    data_cfg = trained_data_config(config)
+    size = int(data_cfg["img_size"])
 
     gen = torch.Generator().manual_seed(0)
     example = torch.randn(2, 3, size, size, generator=gen)
@@ -87,7 +87,7 @@ def main(argv=None):
     sidecar.write_text(json.dumps({
         "format": args.format, "checkpoint": str(ckpt_path), "model": config.get("model", {}).get("name"),
         "classes": classes, "input": "images", "output": "logits (softmax gives probabilities)",
-        "input_size": [3, size, size], "resize": int(data_cfg.get("val_resize", 256)),
+        "input_size": [3, size, size], "resize": int(data_cfg["val_resize"]),
         "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
         "preprocess": "RGB, resize shorter side to `resize`, center-crop `input_size`, /255, (x - mean) / std",
     }, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

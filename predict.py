@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data import BadImage, build_transforms, is_image_file, load_rgb
+from data import BadImage, build_transforms, is_image_file, load_rgb, trained_data_config
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
 from utils.distributed_utils import resolve_device
@@ -126,8 +126,8 @@ def main(argv=None):
     out = Path(args.out) if args.out else run_dir / "predictions.csv"
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
-    data_cfg = config.get("data") or {}
-    size, resize = int(data_cfg.get("img_size", 224)), int(data_cfg.get("val_resize", 256))
+    data_cfg = trained_data_config(config)
+    size, resize = int(data_cfg["img_size"]), int(data_cfg["val_resize"])
     transform = build_transforms(size, resize)[1]
     topk = min(args.topk, len(classes))
     workers = min(4, os.cpu_count() or 1) if args.workers < 0 else args.workers
@@ -135,7 +135,7 @@ def main(argv=None):
 
     start = time.perf_counter()
     rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
-                        int(data_cfg.get("max_image_pixels") or 0))
+                        int(data_cfg["max_image_pixels"]))
     seconds = time.perf_counter() - start
     if not rows:
         raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", RUNTIME_EXIT)

@@ -77,6 +77,23 @@ def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def checkpoint_with_sizes(tmp_path, monkeypatch, state, data, img_size, val_resize):
+    """A copy of checkpoint `state` whose config's data section is `data` (None: no data section), and
+    configs/default.yaml with img_size and val_resize changed (monkeypatched in): -> the copy's path."""
+    import torch
+    import yaml
+
+    import utils.config
+    default = yaml.safe_load(utils.config.DEFAULT_CONFIG.read_text())
+    default["data"].update(img_size=img_size, val_resize=val_resize)
+    (tmp_path / "default.yaml").write_text(yaml.safe_dump(default))
+    monkeypatch.setattr(utils.config, "DEFAULT_CONFIG", tmp_path / "default.yaml")
+    config = {k: v for k, v in state["config"].items() if k != "data"}
+    path = tmp_path / "sizes.pt"
+    torch.save({**state, "config": {**config, **({"data": data} if data is not None else {})}}, path)
+    return path
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds; still runs in CI")
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")

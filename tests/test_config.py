@@ -10,10 +10,11 @@ import sys
 import pytest
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
 
 import utils.config as config
 from conftest import REPO, run_entry
-from utils.config import Config, load_config
+from utils.config import Config, flatten, load_config
 from utils.errors import UserError
 
 DEFAULT_YAML = REPO / "configs" / "default.yaml"
@@ -111,8 +112,11 @@ def test_amp_off_survives_yaml_reading_off_as_false(tmp_path):
 
 def test_config_is_read_only():
     cfg = load_config([])
-    with pytest.raises(Exception):
+    # The read-only refusal itself, not any error: a misspelt key (cfg.train.epochz) raises another.
+    with pytest.raises(ReadonlyConfigError, match="Cannot change read-only config container") as e:
         cfg.train.epochs = 3
+    assert e.value.full_key == "train.epochs"
+    assert cfg.train.epochs == load_config([]).train.epochs
 
 
 # --------------------------------------------------------------------------- errors, in process
@@ -129,6 +133,12 @@ def test_bad_value_or_key_names_the_key(argv, key):
         load_config(argv)
     assert f"'{key}'" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, guess", [(["optim.lrr=1"], "optim.lr"), (["trian.epochs=3"], "train")])
+def test_an_unknown_key_or_section_gets_the_nearest_name(argv, guess):
+    with pytest.raises(UserError, match=f"did you mean '{guess}'"):
+        load_config(argv)
 
 
 # --------------------------------------------------------------------------- errors, real script
@@ -181,19 +191,9 @@ def _leaf_lines(text):
         yield (f"{section}.{key}" if indent else key), line
 
 
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def test_every_default_yaml_key_has_a_comment():
     leaves = list(_leaf_lines(DEFAULT_YAML.read_text()))
-    assert len(leaves) == len(_flatten(OmegaConf.to_container(OmegaConf.structured(Config))))
+    assert len(leaves) == len(flatten(OmegaConf.to_container(OmegaConf.structured(Config))))
     for key, line in leaves:
         comment = line.split("#", 1)[1].strip() if "#" in line else ""
         assert len(comment) >= 10, f"{key} has no explanatory comment in default.yaml: {line!r}"
@@ -202,13 +202,13 @@ def test_every_default_yaml_key_has_a_comment():
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml") if p.name != "default.yaml"))
 def test_each_shipped_recipe_states_only_what_differs_each_key_commented(recipe):
     path = REPO / "configs" / recipe
-    defaults = _flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
+    defaults = flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
     leaves = list(_leaf_lines(path.read_text()))
     assert leaves
     for key, line in leaves:
         assert key in defaults, f"{recipe}: '{key}' is no config key"
         assert len(line.split("#", 1)[1].strip() if "#" in line else "") >= 10, f"{recipe}: {key} has no comment"
-    for key, value in _flatten(yaml.safe_load(path.read_text())).items():
+    for key, value in flatten(yaml.safe_load(path.read_text())).items():
         assert value != defaults[key], f"{recipe}: {key}={value!r} is the default; leave it out"
     # It loads (weights are not looked up: the pretrained check has its own tests in test_model.py).
     load_config(["--config", str(path), "model.pretrained=null"])
@@ -216,11 +216,11 @@ def test_each_shipped_recipe_states_only_what_differs_each_key_commented(recipe)
 
 def test_each_default_stands_in_default_yaml_alone():
     """The schema holds types only; every value comes from default.yaml, which has every key."""
-    in_yaml = _flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
-    in_schema = _flatten(OmegaConf.to_container(OmegaConf.structured(Config)))
+    in_yaml = flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
+    in_schema = flatten(OmegaConf.to_container(OmegaConf.structured(Config)))
     assert sorted(in_yaml) == sorted(in_schema)
     assert set(in_schema.values()) == {"???"}, "a default value in utils/config.py: put it in default.yaml"
-    assert _flatten(OmegaConf.to_container(load_config([]))) == in_yaml
+    assert flatten(OmegaConf.to_container(load_config([]))) == in_yaml
 
 
 def test_a_key_without_a_default_is_named(tmp_path, monkeypatch):

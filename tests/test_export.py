@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import export
+from conftest import checkpoint_with_sizes
 from model import load_trained
 
 pytestmark = pytest.mark.slow
@@ -50,3 +51,15 @@ def test_bad_inputs_are_one_error_line_and_write_nothing(trained_run, tmp_path, 
         lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
         assert e.value.code == 2 and len(lines) == 1 and text in lines[0], lines
         assert list(tmp_path.iterdir()) == [pickled]
+
+
+@pytest.mark.parametrize("data, want", [(None, (40, 52)), ({"img_size": 48}, (48, 52))], ids=["none", "img_size"])
+def test_sizes_a_checkpoint_lacks_come_from_default_yaml(trained_run, tmp_path, monkeypatch, data, want):
+    """The checkpoint's own sizes first (the trained run's 32 px, above); each one it lacks from
+    configs/default.yaml as it stands, here changed to 40/52 so that no number written in export.py passes."""
+    state = torch.load(trained_run["run_dir"] / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    path = checkpoint_with_sizes(tmp_path, monkeypatch, state, data, 40, 52)
+    out = tmp_path / "m.torchscript.pt"
+    assert export.main([str(path), "--format", "torchscript", "--out", str(out)]) <= 1e-4
+    side = json.loads(out.with_name(out.name + ".json").read_text())
+    assert (side["input_size"], side["resize"]) == ([3, want[0], want[0]], want[1])

@@ -11,9 +11,10 @@ import json
 
 import pytest
 import torch
+import yaml
 
 import predict
-from conftest import run_entry
+from conftest import checkpoint_with_sizes, run_entry
 from data import ImageList, build_transforms
 from model import create_model
 
@@ -102,3 +103,17 @@ def test_the_weights_that_scored_best_are_the_ones_used(trained_run, tmp_path):
     assert {"val_acc", "val_acc_ema", "best_weights"} <= set(last)
     assert last["best_acc"] == max(max(m["val_acc"], m["val_acc_ema"]) for m in map(
         json.loads, (trained_run["run_dir"] / "metrics.jsonl").read_text().splitlines()))
+
+
+def test_sizes_a_checkpoint_lacks_come_from_default_yaml(trained_run, tmp_path, monkeypatch):
+    """Sizes (and the pixel limit) the checkpoint lacks come from configs/default.yaml as it stands."""
+    state = torch.load(trained_run["run_dir"] / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    path = checkpoint_with_sizes(tmp_path, monkeypatch, state, None, 40, 52)
+    asked = []
+    monkeypatch.setattr(predict, "build_transforms", lambda *a: asked.append(a) or build_transforms(*a))
+    real_predict = predict.predict
+    monkeypatch.setattr(predict, "predict", lambda *a: asked.append((a[3], a[-1])) or real_predict(*a))
+    rows = predict.main([str(path), str(trained_run["data"] / "daisy"), "--out", str(tmp_path / "p.csv"),
+                         "--device", "cpu"])
+    limit = yaml.safe_load((tmp_path / "default.yaml").read_text())["data"]["max_image_pixels"]
+    assert asked == [(40, 52), (40, limit)] and len(rows) == 6

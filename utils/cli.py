@@ -51,7 +51,8 @@ def cli_entry(main):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the tools (predict.py, export.py): a bad argument is one `error:` line, exit 2."""
+    """argparse for the config's flags and the tools (predict.py, export.py): a bad argument is one
+    `error:` line, exit 2, instead of argparse's usage text."""
 
     def error(self, message):
         raise UserError(message)

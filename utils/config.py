@@ -11,7 +11,6 @@ key is one line in each. Everything is validated before any work starts: an
 unknown key, a value of the wrong type or a key without a default stops with
 one line that names it.
 """
-import argparse
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from utils.cli import ArgumentParser
 from utils.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -152,15 +152,8 @@ def register_check(fn):
     return fn
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage plus a message; we want the single `error:` line."""
-
-    def error(self, message):
-        raise UserError(message)
-
-
 def build_arg_parser(description=""):
-    p = _OneLineParser(description=description,
+    p = ArgumentParser(description=description,
                        epilog="Any config key can also be set as key=value, e.g. optim.lr=0.05.")
     p.add_argument("--config", help="YAML recipe merged over configs/default.yaml")
     for flag, key in CLASSIC_FLAGS.items():
@@ -171,21 +164,23 @@ def build_arg_parser(description=""):
     return p
 
 
-def _all_keys(node, prefix=""):
-    keys = []
+def flatten(node, prefix=""):
+    """A nested dict's leaves under dotted keys: {"optim": {"lr": 0.01}} -> {"optim.lr": 0.01}."""
+    out = {}
     for k, v in node.items():
-        full = f"{prefix}{k}"
-        keys.append(full)
         if isinstance(v, dict):
-            keys.extend(_all_keys(v, full + "."))
-    return keys
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _describe(e, schema, flags_used):
     """Turn an OmegaConf exception into one line that names the key (and the flag that set it)."""
     key = getattr(e, "full_key", None) or ""
     if isinstance(e, ConfigKeyError) or "not in" in str(e):
-        known = _all_keys(OmegaConf.to_container(schema))
+        tree = OmegaConf.to_container(schema)
+        known = list(flatten(tree)) + list(tree)  # a misspelt section ("trian") is matched too
         guess = difflib.get_close_matches(key, known, n=1)
         hint = f" (did you mean '{guess[0]}'?)" if guess else ""
         return f"unknown config key '{key}'{hint}"

@@ -289,8 +289,9 @@ class GpuLoader:
         images, self.sizes, labels = build_cache(dataset, item, workers, pin=pin)
         self.images = images.to(device) if self.on_device else images
         self.labels = labels.to(device)
-        self.mean = torch.tensor(norm.mean, device=device, dtype=torch.float32).view(1, 3, 1, 1)
-        self.std = torch.tensor(norm.std, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+        # Normalize's (mean, std) as (1, 3, 1, 1) float32 on the device, for normalize().
+        self.mean, self.std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+                               for v in (norm.mean, norm.std))
         self.cache_seconds = time.perf_counter() - start
         self.cache_bytes = self.images.numel()
         if verbose:

@@ -1,5 +1,5 @@
 """The training recipe built from the config: optimizer, learning-rate schedule, mixed
-precision, the loss's class weights, MixUp/CutMix and the EMA of the weights."""
+precision and memory layout, the loss's class weights, MixUp/CutMix and the EMA of the weights."""
 import copy
 import inspect
 import math
@@ -8,6 +8,11 @@ import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from utils.errors import UserError
+
+
+def scaled_lr(optim_cfg, world_size):
+    """optim.lr for this many processes: times world_size under optim.scale_lr (build_optimizer says why)."""
+    return optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
 
 
 def build_optimizer(model, optim_cfg, world_size=1, fused=False):
@@ -20,7 +25,7 @@ def build_optimizer(model, optim_cfg, world_size=1, fused=False):
     sgd: one group, decay on every tensor (the default recipe, and its checkpoints, unchanged).
     adamw: decay only on weights, not on norm layers and biases (decay_groups).
     """
-    lr = optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
+    lr = scaled_lr(optim_cfg, world_size)
     cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optim_cfg.name]
     extra = {"fused": True} if fused and "fused" in inspect.signature(cls).parameters else {}
     if optim_cfg.name == "sgd":
@@ -85,8 +90,8 @@ def decay_groups(model, weight_decay):
         for name, p in module.named_parameters(recurse=False):
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                quiet = isinstance(module, _NORM_TYPES) or name == "bias" or p.ndim <= 1
-                (no_decay if quiet else decay).append(p)
+                exempt = isinstance(module, _NORM_TYPES) or name == "bias" or p.ndim <= 1
+                (no_decay if exempt else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -105,15 +110,19 @@ class WarmupCosine:
     def __init__(self, total_steps, warmup_steps, lrf):
         self.total_steps, self.warmup_steps, self.lrf = total_steps, warmup_steps, lrf
 
+    @classmethod
+    def for_run(cls, optim_cfg, epochs, steps_per_epoch):
+        """The schedule of `epochs` x `steps_per_epoch` optimizer steps, optim.warmup_epochs of them
+        (rounded to whole steps) warming up."""
+        return cls(epochs * steps_per_epoch, int(round(optim_cfg.warmup_epochs * steps_per_epoch)), optim_cfg.lrf)
+
     def __call__(self, step):
         return lr_factor(step, self.total_steps, self.warmup_steps, self.lrf)
 
 
 def build_scheduler(optimizer, optim_cfg, epochs, steps_per_epoch):
     """Stepped once per optimizer step (not per epoch), so warm-up can be a fraction of an epoch."""
-    warmup = int(round(optim_cfg.warmup_epochs * steps_per_epoch))
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(epochs * steps_per_epoch, warmup, optim_cfg.lrf))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine.for_run(optim_cfg, epochs, steps_per_epoch))
 
 
 def place_schedule(scheduler, optim_cfg, world_size, epochs, steps_per_epoch, step):
@@ -123,9 +132,8 @@ def place_schedule(scheduler, optim_cfg, world_size, epochs, steps_per_epoch, st
     steps per epoch and scales lr for its own world size (optim.scale_lr); kept as is,
     the cosine would end early or late. The optimizer's lr follows at once.
     """
-    base = optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
-    shape = WarmupCosine(epochs * steps_per_epoch, int(round(optim_cfg.warmup_epochs * steps_per_epoch)),
-                         optim_cfg.lrf)
+    base = scaled_lr(optim_cfg, world_size)
+    shape = WarmupCosine.for_run(optim_cfg, epochs, steps_per_epoch)
     groups = scheduler.optimizer.param_groups
     scheduler.lr_lambdas = [shape] * len(groups)
     scheduler.base_lrs = [base] * len(groups)
@@ -142,6 +150,12 @@ def resolve_amp(amp, device):
     if amp == "auto":
         return torch.bfloat16 if _native_bf16() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+
+
+def use_channels_last(enabled, device):
+    """model.channels_last on this device: NHWC on CUDA only, where tensor-core convolutions gain from it;
+    elsewhere the default layout. The one rule for the model, the loaders and the loop."""
+    return bool(enabled) and device.type == "cuda"
 
 
 def _native_bf16():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from utils.config import save_config
+from utils.config import flatten, save_config
 
 
 class RunLogger:
@@ -96,7 +96,8 @@ class RunLogger:
         if not self.enabled:
             return
         from torch.utils.tensorboard.summary import hparams
-        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in _flatten(config).items()}
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else "null" if v is None else str(v)
+                for k, v in flatten(config).items()}
         # Into this run's own event file (add_hparams would open a sub-run beside it).
         writer = self.writer._get_file_writer()
         for summary in hparams(flat, {tag: math.nan for tag in metric_tags}):
@@ -139,16 +140,6 @@ def scalar_tag(key):
         if key.startswith(prefix):
             return prefix[:-1] + "/" + key[len(prefix):]
     return f"epoch/{key}"
-
-
-def _flatten(node, prefix=""):
-    out = {}
-    for k, v in node.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = "null" if v is None else v
-    return out
 
 
 class _NoBar:
