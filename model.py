@@ -20,7 +20,7 @@ import torchvision
 from torch import nn
 from torchvision.ops import misc as tv_misc
 
-from utils.checkpoint import load_checkpoint, strip_wrapper_prefixes
+from utils.checkpoint import best_weights, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
 from utils.errors import UserError
 
@@ -332,8 +332,7 @@ def load_trained(source):
     if not name or not classes:
         raise UserError(f"checkpoint '{path}' holds no model name or class list; was it written by train*.py?")
     model = create_model(name, num_classes=len(classes), img_size=(config.get("data") or {}).get("img_size"))
-    ema = state.get("ema")
-    weights = ema if isinstance(ema, dict) and ema and state.get("best_weights") == "ema" else state["model"]
+    weights = best_weights(state)
     try:
         model.load_state_dict(strip_wrapper_prefixes(weights))
     except RuntimeError as e:

@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from model import create_model  # noqa: E402
-from engine import train_one_epoch  # noqa: E402
+from engine import Step, train_one_epoch  # noqa: E402
 from utils.optim import build_optimizer, build_scaler, build_scheduler, resolve_amp  # noqa: E402
 
 DDP_BOUND, BARE_BOUND, RATIO_TARGET, EPOCH_TARGET_S = 1.05, 1.05, 0.90, 0.6
@@ -123,7 +123,7 @@ def synthetic(device, batch, img, channels_last, n=4, classes=5):
     return out
 
 
-class Step:
+class Trainer:
     """One model + optimizer + schedule, stepped by the project's train_one_epoch or by a bare loop."""
 
     def __init__(self, name, device, amp_dtype, channels_last, wrap=None, seed=0):
@@ -144,8 +144,8 @@ class Step:
         """Seconds for one train_one_epoch over `loader` (it ends with a host sync)."""
         sync(self.device)
         t = time.perf_counter()
-        train_one_epoch(self.model, loader, self.opt, self.sched, self.scaler, self.device, 0,
-                        amp_dtype=self.amp_dtype, channels_last=self.channels_last)
+        train_one_epoch(Step(self.model, self.opt, self.sched, self.scaler, self.device, amp_dtype=self.amp_dtype,
+                             channels_last=self.channels_last), loader, 0)
         return time.perf_counter() - t
 
     def bare_loop(self, loader):
@@ -183,7 +183,7 @@ def measure_ceiling(args, device, amp_dtype, channels_last, compiled=False):
     for name, wrap in variants.items():
         reset_peak(device)
         try:
-            step = Step(args.model, device, amp_dtype, channels_last, wrap=wrap)
+            step = Trainer(args.model, device, amp_dtype, channels_last, wrap=wrap)
             warm = Batches(loader.batches, max(args.steps, 30) if name == "compiled" else args.steps)
             step.project(warm)  # compile and autotune with enough steps before timing
             s = interleaved({name: step.project}, loader, args.repeats)[name]
@@ -259,9 +259,9 @@ def measure_ddp(args, device, amp_dtype, channels_last):
                    "ddp_configured_bucket100": {**configured, "bucket_cap_mb": 100},
                    # ddp.broadcast_buffers=true: rank 0's buffers broadcast at every forward (torch's default)
                    "ddp_configured_broadcast_buffers": ddp_kwargs(load_config(["ddp.broadcast_buffers=true"]).ddp)}
-        steps = {"bare": Step(args.model, device, amp_dtype, channels_last)}
+        steps = {"bare": Trainer(args.model, device, amp_dtype, channels_last)}
         for name, kw in options.items():
-            steps[name] = Step(args.model, device, amp_dtype, channels_last,
+            steps[name] = Trainer(args.model, device, amp_dtype, channels_last,
                                wrap=lambda m, kw=kw: DDP(m, device_ids=ids, **kw))
         loader = Batches(synthetic(device, args.batch_size, args.img_size, channels_last), args.steps)
         med = interleaved({k: s.project for k, s in steps.items()}, loader, args.repeats)
@@ -279,7 +279,7 @@ def measure_bare(args):
     cpu = torch.device("cpu")
     img, batch, steps = (16, 4, 8) if args.quick else (32, 16, 20)
     loader = Batches(synthetic(cpu, batch, img, False), steps)
-    project, bare = Step("resnet18", cpu, None, False), Step("resnet18", cpu, None, False)
+    project, bare = Trainer("resnet18", cpu, None, False), Trainer("resnet18", cpu, None, False)
     med = interleaved({"project": project.project, "bare": bare.bare_loop}, loader, max(args.repeats, 3))
     ratio = med["project"] / med["bare"]
     return {"model": f"resnet18 {img}px batch {batch} fp32", "device": "cpu", "threads": torch.get_num_threads(),

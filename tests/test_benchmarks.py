@@ -16,7 +16,9 @@ from PIL import Image
 
 from conftest import REPO
 
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# The tools run train.py (and torchrun) with the shipped transforms, whatever data.py holds now: a
+# user's ColorJitter would rightly stop the gpu pipeline's part (tests/plain_transforms/sitecustomize.py).
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO / "tests" / "plain_transforms")}
 
 
 def run_watching(out_dir, stem, *args, timeout=600):

@@ -64,7 +64,7 @@ DDP_CLASS = "DistributedDataParallel"
 # (kind "method": called as obj.name(), counted by the attribute name).
 EXPECTED_COLLECTIVES = {
     ("function", n) for n in ("reduce_value", "reduce_min", "any_rank", "gather_objects", "broadcast_buffers",
-                              "broadcast_object", "barrier", "gather_rank_states", "verify_images",
+                              "broadcast_object", "barrier", "reduce_sums", "verify_images",
                               "evaluate", "fit", "train_one_epoch")
 } | {("method", "save"), ("method", "sync_bad_images")}
 

@@ -69,7 +69,7 @@ def test_evaluate_equals_a_hand_computation():
     with torch.no_grad():
         logits = model(x).double()
     assert torch.equal(logits.argmax(1), preds)
-    loss = (logits.logsumexp(1) - logits[torch.arange(11), labels]).mean().item()
+    loss = engine.Criterion().per_image(logits, labels).mean().item()  # whatever loss Criterion holds
     assert got["val_count"] == 11
     assert got["val_loss"] == pytest.approx(loss, rel=1e-6)
     assert got["val_acc"] == pytest.approx(7 / 11)
@@ -88,14 +88,14 @@ def test_train_one_epoch_loss_and_steps_match_a_hand_loop():
     steps = []
     opt.register_step_post_hook(lambda *a: steps.append(1))
 
-    out = engine.train_one_epoch(model, batches, opt, sched, build_scaler(None, CPU), CPU, epoch=0,
-                                 log_every=2, global_step=7)
+    out = engine.train_one_epoch(engine.Step(model, opt, sched, build_scaler(None, CPU), CPU), batches, 0,
+                                 global_step=7, hooks=engine.EpochHooks(log_every=2))
 
     opt2, sched2 = sgd(by_hand)
     by_hand.train()
     losses = []
     for x, y in batches:
-        loss = F.cross_entropy(by_hand(x), y)
+        loss = engine.Criterion()(by_hand(x), y)  # the training loss, whatever Criterion holds
         opt2.zero_grad(set_to_none=True)
         loss.backward()
         opt2.step()
@@ -120,8 +120,8 @@ def test_a_nan_loss_names_its_step(log_every):
     batches[3][0][0, 0, 0, 0] = float("nan")
     opt, sched = sgd(model)
     with pytest.raises(UserError, match=r"loss is nan at epoch 2, step 13; stopping") as e:
-        engine.train_one_epoch(model, batches, opt, sched, build_scaler(None, CPU), CPU, epoch=1,
-                               log_every=log_every, global_step=10)
+        engine.train_one_epoch(engine.Step(model, opt, sched, build_scaler(None, CPU), CPU), batches, 1,
+                               global_step=10, hooks=engine.EpochHooks(log_every=log_every))
     assert e.value.exit_code == RUNTIME_EXIT and e.value.every_rank
 
 
@@ -178,7 +178,8 @@ SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "nu
 
 @pytest.fixture
 def sync_log(monkeypatch):
-    """Every host read of a tensor and every reduce_value in the engine, as (what, calling file)."""
+    """Every host read of a tensor and every reduction the engine starts (reduce_sums, reduce_min),
+    as (what, calling file)."""
     log = []
     for name in SYNC_METHODS:
         real = getattr(torch.Tensor, name)
@@ -188,13 +189,14 @@ def sync_log(monkeypatch):
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
-    real_reduce = engine.reduce_value
+    for name in ("reduce_sums", "reduce_min"):
+        real_reduce = getattr(engine, name)
 
-    def counting_reduce(*a, **k):
-        log.append(("reduce_value", "engine.py"))
-        return real_reduce(*a, **k)
+        def counting_reduce(*a, _real=real_reduce, _name=name, **k):
+            log.append((_name, "engine.py"))
+            return _real(*a, **k)
 
-    monkeypatch.setattr(engine, "reduce_value", counting_reduce)
+        monkeypatch.setattr(engine, name, counting_reduce)
     return log
 
 
@@ -218,7 +220,7 @@ class MarkingLoader:
 @pytest.mark.parametrize("amp", ["fp32", "fp16"])
 def test_train_step_has_no_per_step_sync(sync_log, amp):
     """12 steps with log_every=100: no host read and no all-reduce in steps 1..11; the last step
-    ends the log window (one all-reduce, read with .tolist()) and the epoch (one more, two .item()).
+    ends the log window (one reduce_sums: one all-reduce, one copy to the host) and the epoch (one more).
 
     fp16 runs with the enabled CPU GradScaler that build_scaler makes for it (torch >= 2.4). Observed
     with torch 2.14: GradScaler.step itself calls .item() on its found-inf flag once per step (in
@@ -231,7 +233,8 @@ def test_train_step_has_no_per_step_sync(sync_log, amp):
     opt, sched = sgd(model)
     steps = 12
     loader = MarkingLoader(make_batches([4] * steps), sync_log)
-    engine.train_one_epoch(model, loader, opt, sched, scaler, CPU, 0, amp_dtype=dtype, log_every=100)
+    engine.train_one_epoch(engine.Step(model, opt, sched, scaler, CPU, amp_dtype=dtype), loader, 0,
+                           hooks=engine.EpochHooks(log_every=100))
 
     assert len(loader.marks) == steps
     per_step = [sync_log[a:b] for a, b in zip(loader.marks, loader.marks[1:])]  # steps 1..11
@@ -243,9 +246,9 @@ def test_train_step_has_no_per_step_sync(sync_log, amp):
         assert not from_scaler
     else:  # at most GradScaler's one .item() per step (11 seen with torch 2.14 and plain SGD)
         assert set(from_scaler) <= {("item", "grad_scaler.py")} and len(from_scaler) <= steps - 1
-    engine_tail = [s for s in tail if s[1] == "engine.py"]
-    assert engine_tail.count(("reduce_value", "engine.py")) == 2 and ("tolist", "engine.py") in engine_tail
-    assert len(engine_tail) <= 5, tail
+    # The window's end and the epoch's: one reduction each, copied to the host once each.
+    assert [s for s in tail if s[1] == "engine.py"] == [("reduce_sums", "engine.py")] * 2, tail
+    assert [s for s in tail if s[0] == "cpu"] == [("cpu", "distributed_utils.py")] * 2, tail
 
 
 class SyncDebugLoader:
@@ -307,15 +310,16 @@ def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
     batches = [(torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 3, (8,), device=device))
                for _ in range(8)]
     options = dict(ema=WeightEMA(model, 0.9), accum_steps=2, mix=batch_mixer(0.2, 1.0, 3), clip_grad_norm=1.0,
-                   class_weight=torch.tensor([1.0, 2.0, 0.5], device=device)) if recipe else {}
-    steps = len(batches) // options.get("accum_steps", 1)
+                   criterion=engine.Criterion(class_weight=torch.tensor([1.0, 2.0, 0.5], device=device))) \
+        if recipe else {}
+    step = engine.Step(model, opt, sched, scaler, device, amp_dtype=dtype, **options)
+    steps = len(batches) // step.accum_steps
+    hooks = engine.EpochHooks(log_every=100)
     previous = torch.cuda.get_sync_debug_mode()
     try:
         # One epoch to warm up (cuDNN/cuBLAS handles, optimizer state), then the checked one.
-        engine.train_one_epoch(model, batches, opt, sched, scaler, device, 0, amp_dtype=dtype, log_every=100,
-                               **options)
-        out = engine.train_one_epoch(model, SyncDebugLoader(batches), opt, sched, scaler, device, 1,
-                                     amp_dtype=dtype, log_every=100, global_step=steps, **options)
+        engine.train_one_epoch(step, batches, 0, hooks=hooks)
+        out = engine.train_one_epoch(step, SyncDebugLoader(batches), 1, global_step=steps, hooks=hooks)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert math.isfinite(out["train_loss"]) and out["global_step"] == 2 * steps

@@ -3,7 +3,7 @@
     python -m pytest tests/test_eval_only.py -q
 
 On the shared finished run (conftest.trained_run): its best.pt evaluated again gives
-the logged best val_acc exactly; torchrun with 2 and 3 gloo processes writes the same
+the logged best_acc exactly; torchrun with 2 and 3 gloo processes writes the same
 eval.json (confusion matrix, per-class figures, the worst mistakes gathered over the
 ranks); a data root with train/ val/ test/ is evaluated on test/.
 """
@@ -11,12 +11,16 @@ import json
 
 import pytest
 
+import data
 import train
 from conftest import make_image_folder, run_entry
+from plain_transforms.sitecustomize import plain_transforms
 
 pytestmark = pytest.mark.slow
 
-KEYS = {"accuracy", "top5", "macro_f1", "per_class", "confusion", "count", "classes", "split", "worst"}
+# evaluate()'s own keys (a metric added there lands here too), and what --eval-only adds.
+KEYS = {"val_acc", "val_top5", "val_loss", "val_macro_f1", "val_precision", "val_recall", "val_f1", "val_confusion",
+        "val_per_class_acc", "val_count", "val_worst", "classes", "split", "checkpoint"}
 
 
 def evaluate_with(script, trained_run, out, nproc=None, *extra):
@@ -32,24 +36,32 @@ def single(trained_run, tmp_path_factory):
     return evaluate_with("train.py", trained_run, tmp_path_factory.mktemp("eval") / "one")
 
 
-def test_eval_only_reproduces_the_logged_best_val_acc(single, trained_run):
+def test_eval_only_reproduces_the_logged_best_acc(single, trained_run):
+    """best.pt holds the better of the weights and their EMA (train.ema_decay): evaluated again, it
+    scores the run's best_acc exactly, with that epoch's logged figures for those weights."""
     rows = [json.loads(line) for line in (trained_run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
-    assert KEYS <= set(single) and single["split"] == "val" and single["count"] == 5
-    assert single["accuracy"] == max(r["val_acc"] for r in rows)  # exactly
-    best = next(r for r in rows if r["val_acc"] == single["accuracy"])
-    assert single["confusion"]["rows_true_columns_predicted"] == best["val_confusion"]
-    assert [single["per_class"][c]["f1"] for c in single["classes"]] == best["val_f1"]
-    assert single["macro_f1"] == best["val_macro_f1"]
+    assert KEYS <= set(single) and single["split"] == "val" and single["val_count"] == 5
+    best_acc = rows[-1]["best_acc"]
+    assert single["val_acc"] == best_acc  # exactly
+    best = next(r for r in rows if best_acc in (r["val_acc"], r["val_acc_ema"]) and r["best_acc"] == best_acc)
+    suffix = "_ema" if best["best_weights"] == "ema" else ""
+    assert single["checkpoint"].endswith("(EMA weights)") is (suffix == "_ema")
+    assert single["val_macro_f1"] == best["val_macro_f1" + suffix]
+    assert single["val_loss"] == pytest.approx(best["val_loss" + suffix], rel=1e-6)
+    if not suffix:  # the raw weights' whole report is logged too
+        assert single["val_confusion"] == best["val_confusion"] and single["val_f1"] == best["val_f1"]
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_eval_only_is_exact_under_ddp(single, trained_run, tmp_path, nproc):
     """The worst mistakes are gathered over ranks and merged: the same images, in the same order."""
     got = evaluate_with("train_multi_gpu_ddp.py", trained_run, tmp_path / "ddp", nproc)
-    for key in KEYS - {"worst"}:
+    for key in KEYS - {"val_worst", "val_loss"}:  # counts: exact; the loss sums in another order
         assert got[key] == single[key], key
-    assert [(w["index"], w["pred"]) for w in got["worst"]] == [(w["index"], w["pred"]) for w in single["worst"]]
-    assert [w["prob"] for w in got["worst"]] == pytest.approx([w["prob"] for w in single["worst"]], abs=1e-5)
+    assert got["val_loss"] == pytest.approx(single["val_loss"], rel=1e-9)
+    worst, single_worst = got["val_worst"], single["val_worst"]
+    assert [(w["index"], w["pred"], w["true"]) for w in worst] == [(w["index"], w["pred"], w["true"]) for w in single_worst]
+    assert [w["prob"] for w in worst] == pytest.approx([w["prob"] for w in single_worst], abs=1e-5)
     assert (tmp_path / "ddp" / "confusion_matrix.png").is_file()
 
 
@@ -62,7 +74,7 @@ def test_a_test_folder_is_what_eval_only_evaluates(trained_run, tmp_path, capsys
     train.main([*base, "--data-path", str(root), "--eval-only", "--resume", str(best),
                 "--output-dir", str(tmp_path / "out")])
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
-    assert result["split"] == "test" and result["count"] == 15
+    assert result["split"] == "test" and result["val_count"] == 15
     with pytest.raises(SystemExit) as e:  # nothing to evaluate
         train.main([*base, "--eval-only", "--output-dir", str(tmp_path / "none")])
     assert e.value.code == 2 and "--eval-only needs a model" in capsys.readouterr().err
@@ -73,14 +85,16 @@ def test_a_test_folder_is_what_eval_only_evaluates(trained_run, tmp_path, capsys
     assert f"--eval-only --resume auto found no checkpoint in '{tmp_path / 'empty'}'" in capsys.readouterr().err
 
 
-def test_eval_only_never_touches_the_training_images(trained_run, tmp_path, capsys):
+def test_eval_only_never_touches_the_training_images(trained_run, tmp_path, capsys, monkeypatch):
     """No training set is built: nothing of it is verified or decoded (data.pipeline=gpu decodes its
-    cache up front), and a batch larger than the training split, which training refuses, is fine."""
+    cache up front), and a batch larger than the training split, which training refuses, is fine.
+    The plain transforms: the gpu pipeline refuses an augmentation it cannot reproduce, by design."""
+    monkeypatch.setattr(data, "build_transforms", plain_transforms)
     best = trained_run["run_dir"] / "checkpoints" / "best.pt"
     base = [str(a) for a in trained_run["base"]]
     train.main([*base, "--eval-only", "--resume", str(best), "--output-dir", str(tmp_path / "out"),
                 "data.pipeline=gpu", "data.verify=true", "train.batch_size=64"])
     out = capsys.readouterr().out
-    assert json.loads((tmp_path / "out" / "eval.json").read_text())["count"] == 5
+    assert json.loads((tmp_path / "out" / "eval.json").read_text())["val_count"] == 5
     assert "verify: 5 images checked" in out
     assert "gpu pipeline: 5 val images decoded" in out and "train images decoded" not in out

@@ -11,10 +11,11 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fixture
 from utils.config import load_config
-from engine import train_one_epoch
+from engine import Criterion, EpochHooks, Step, train_one_epoch
 from utils.errors import UserError
 from utils.optim import (AutocastForward, WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler,
                          class_weights, resolve_amp)
@@ -248,13 +249,36 @@ class ScalarLog(RunLogger):
         self.scalars.append((tag, value, step))
 
 
+def run_epoch(model, loader, opt, sched, scaler=None, *, logger=None, log_every=20, label_smoothing=0.0,
+              class_weight=None, **step_options):
+    """engine.train_one_epoch over `loader` on the CPU; step_options: the other engine.Step fields."""
+    step = Step(model, opt, sched, scaler or build_scaler(None, CPU), CPU,
+                criterion=Criterion(label_smoothing, class_weight), **step_options)
+    return train_one_epoch(step, loader, 0, hooks=EpochHooks(logger=logger, log_every=log_every))
+
+
 def one_epoch(model, data, scaler=None, **kw):
     opt = build_optimizer(model, optim_cfg(lr=0.1))
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, len(data))
     logger = ScalarLog()
-    out = train_one_epoch(model, data, opt, sched, scaler or build_scaler(None, CPU), CPU, 0, logger=logger,
-                          log_every=1, **kw)
+    out = run_epoch(model, data, opt, sched, scaler, logger=logger, log_every=1, **kw)
     return out, opt, logger
+
+
+def test_the_shipped_criterion_is_cross_entropy_and_evaluation_takes_the_plain_loss():
+    """Training: cross entropy with the config's label smoothing and class weights, soft targets too;
+    evaluation (per_image): each image's plain cross entropy, neither smoothed nor weighted."""
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(6, 3, generator=g), torch.tensor([0, 1, 2, 2, 1, 0])
+    weight = torch.tensor([1.0, 2.0, 0.5])
+    criterion = Criterion(label_smoothing=0.1, class_weight=weight)
+    plain = logits.logsumexp(1) - logits[torch.arange(6), labels]
+    assert torch.allclose(criterion.per_image(logits, labels), plain)
+    assert criterion(logits, labels).item() == pytest.approx(
+        F.cross_entropy(logits, labels, weight=weight, label_smoothing=0.1).item())
+    soft = F.one_hot(labels, 3).float() * 0.7 + 0.1  # MixUp/CutMix targets: a distribution per image
+    assert criterion(logits, soft).item() == pytest.approx(
+        F.cross_entropy(logits, soft, weight=weight, label_smoothing=0.1).item())
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
@@ -308,9 +332,9 @@ def test_recipe_options_add_no_per_step_host_sync(sync_log):
     model = small_net()
     opt = build_optimizer(model, optim_cfg(lr=0.1))
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 3)
-    train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, log_every=100,
-                    clip_grad_norm=0.05, label_smoothing=0.1, class_weight=torch.tensor([1.0, 2.0, 0.5]),
-                    ema=WeightEMA(model, 0.9), accum_steps=2, mix=batch_mixer(0.4, 0.0, 3))
+    run_epoch(model, loader, opt, sched, log_every=100, clip_grad_norm=0.05, label_smoothing=0.1,
+              class_weight=torch.tensor([1.0, 2.0, 0.5]), ema=WeightEMA(model, 0.9), accum_steps=2,
+              mix=batch_mixer(0.4, 0.0, 3))
     per_batch = [sync_log[a:b] for a, b in zip(loader.marks, loader.marks[1:])]
     assert len(per_batch) == 5 and all(set(reads) <= {("__float__", "_augment.py")} for reads in per_batch), per_batch
 
@@ -365,7 +389,7 @@ def test_ema_equals_a_hand_computed_average_of_the_weights(accum):
     ema = WeightEMA(model, decay)
     opt = build_optimizer(model, optim_cfg(lr=0.1))
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 6 // accum)
-    out = train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, ema=ema, accum_steps=accum)
+    out = run_epoch(model, loader, opt, sched, ema=ema, accum_steps=accum)
     assert out["global_step"] == 6 // accum
     weights = loader.marks[::accum] + [{k: v.double() for k, v in model.state_dict().items()}]
     hand = copy.deepcopy(weights[0])
@@ -391,7 +415,7 @@ def test_accumulation_trains_whole_steps_and_leaves_a_short_tail_out():
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 2)
     steps = []
     opt.register_step_post_hook(lambda *a: steps.append(1))
-    out = train_one_epoch(model, loader, opt, sched, build_scaler(None, CPU), CPU, 0, accum_steps=2)
+    out = run_epoch(model, loader, opt, sched, accum_steps=2)
     assert (len(steps), out["global_step"], len(loader.marks)) == (2, 2, 4)
     assert sched.last_epoch == 2  # the schedule counts optimizer steps
 
@@ -489,8 +513,8 @@ def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(f
     opt = build_optimizer(model, optim_cfg(lr=0.1), fused=fused)
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, len(data))
     logger = ScalarLog()
-    train_one_epoch(model, data, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0), CPU, 0,
-                    logger=logger, log_every=4, clip_grad_norm=100.0)
+    run_epoch(model, data, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0), logger=logger, log_every=4,
+              clip_grad_norm=100.0)
     logged = {tag: v for tag, v, _ in logger.scalars}
     assert logged["train/skipped_steps"] == 1
     assert 0 < logged["train/grad_norm"] < 100  # the three finite steps' mean (each norm is ~1)

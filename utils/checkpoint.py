@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from utils.distributed_utils import any_rank, broadcast_object
+from utils.distributed_utils import any_rank, broadcast_object, gather_objects
 from utils.errors import RUNTIME_EXIT, UserError
 from utils.optim import load_optimizer_state
 
@@ -81,15 +80,6 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
-def gather_rank_states(local):
-    """Every rank's `local` dict as a list indexed by rank; called by every rank (one collective)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [local]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)
-    return out
-
-
 def remove_stale_temps(ckpt_dir):
     """Temp files left by a process killed mid-save; the renamed checkpoints are untouched."""
     for tmp in Path(ckpt_dir).glob(".*.tmp"):
@@ -136,7 +126,7 @@ def atomic_link(src, dst):
 def make_state(model, optimizer, scheduler, scaler, epoch, global_step, best_acc, config, classes,
                ranks=None, epoch_step=0, epoch_lr=None, data=None, ema=None, best_weights="model"):
     """The checkpoint dict. `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
-    (gather_rank_states); `epoch_step` > 0 marks a checkpoint written mid-epoch. With an EMA
+    (distributed_utils.gather_objects); `epoch_step` > 0 marks a checkpoint written mid-epoch. With an EMA
     (utils.optim.WeightEMA) its weights are kept under "ema"."""
     extra = {"ema": strip_wrapper_prefixes(ema.module.state_dict())} if ema is not None else {}
     return {**extra,
@@ -247,6 +237,13 @@ def check_compatible(state, model, classes, model_name=None):
         raise UserError(f"checkpoint is for another model: {what}")
 
 
+def best_weights(state):
+    """The weights that made a checkpoint's best_acc: its EMA where that scored best
+    (train.ema_decay, "best_weights": "ema"), else its model's."""
+    ema = state.get("ema")
+    return ema if isinstance(ema, dict) and ema and state.get("best_weights") == "ema" else state["model"]
+
+
 def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None, ema=None):
     """Load a full checkpoint into the run's objects; refuse one of another model or class list.
     `ema` (a WeightEMA) gets the checkpoint's average, or, if it holds none, restarts from its weights.
@@ -306,7 +303,7 @@ def data_layout(seed, world_size, batch_size, steps_per_epoch, train_images, acc
 def resume_point(state, rank, layout):
     """This rank's saved random state, and for a mid-epoch checkpoint where to continue in the epoch.
 
-    Returns (rng or None, mid or None, note or None); mid = {"epoch_step", "loss_sum",
+    Returns (rng or None, resume_at or None, note or None); resume_at = {"epoch_step", "loss_sum",
     "images_seen", "rng", "lr"}. A mid-epoch checkpoint whose batch order no longer holds
     (another world size after an elastic restart, another batch size, seed or data) cannot
     continue inside its epoch: the epoch restarts from its first batch, and `note` says so.
@@ -340,7 +337,7 @@ class Checkpointer:
 
     def save(self, epoch, global_step, best_acc, is_best=False, epoch_step=0, loss_sum=0.0,
              images_seen=0, epoch_lr=None, best_weights="model"):
-        ranks = gather_rank_states({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
+        ranks = gather_objects({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
         error = None
         if self.rank == 0:
             state = make_state(self.model, self.optimizer, self.scheduler, self.scaler, epoch, global_step,

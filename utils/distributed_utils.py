@@ -77,6 +77,12 @@ def resolve_device(requested="auto"):
     return torch.device("cuda", index)
 
 
+def use_channels_last(requested, device):
+    """model.channels_last holds on CUDA only: NHWC feeds the tensor cores' convolutions there,
+    while on the CPU it slows most convolutions down."""
+    return bool(requested) and device.type == "cuda"
+
+
 def use_device(device):
     """Make `device` (from resolve_device or init_distributed_mode) this process's current device."""
     if device.type == "cuda":
@@ -241,6 +247,18 @@ def reduce_value(value, average=True):
     if average:
         value /= dist.get_world_size()
     return value
+
+
+def reduce_sums(sums):
+    """{name: tensor} summed over all ranks in one all-reduce and read in one host copy: a float
+    per 0-d tensor, a float64 CPU tensor of its shape for the others. Called by every rank."""
+    flat = reduce_value(torch.cat([v.double().reshape(-1) for v in sums.values()]), average=False).cpu()
+    out, at = {}, 0
+    for name, value in sums.items():
+        part = flat[at:at + value.numel()]
+        at += value.numel()
+        out[name] = part.item() if value.dim() == 0 else part.view(value.shape)
+    return out
 
 
 def reduce_min(value):
