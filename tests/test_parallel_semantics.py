@@ -5,8 +5,8 @@
 One torchrun launch per world size (2 and 3) runs tests/_ddp_worker.py, which
 calls the project's own init, split, samplers, DDP wrapping, fit and evaluate
 and reports per rank; the same functions run here in one process for the
-reference. The entry scripts themselves run for DP == single and for a
-two-"node" torchrun launch on localhost. README section "How the parallelism
+reference. The entry scripts themselves run for the DP script on the CPU (no wrapper there:
+it must train exactly as train.py) and for a two-"node" torchrun launch on localhost. README section "How the parallelism
 works" names these tests.
 """
 import importlib.util
@@ -260,7 +260,7 @@ def test_ddp_without_the_per_forward_buffer_broadcast_keeps_rank0s_state_bit_for
     assert all(r["configured"]["state"]["5.weight"] == ranks[0]["configured"]["state"]["5.weight"] for r in ranks)
 
 
-def test_dp_equals_single(image_root, tmp_path):
+def test_dp_script_on_cpu_trains_exactly_like_train_py(image_root, tmp_path):
     """train_multi_gpu_dp.py with global batch B computes what train.py with batch B computes.
 
     On CPU (as here) the DP script trains without the DataParallel wrapper (it would grab the
