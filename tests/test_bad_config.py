@@ -8,6 +8,7 @@ naming the culprit, no traceback, and the earlier run's files untouched.
 Most cases call the scripts' main() in this process (fast); a few run the
 real CLI and torchrun in a subprocess.
 """
+import os
 import socket
 import subprocess
 import sys
@@ -168,3 +169,40 @@ def test_torchrun_busy_master_port_fails_fast(tmp_path, held_port):
     assert "address already in use" in (r.stdout + r.stderr)
     assert time.monotonic() - start < 120
     assert not (tmp_path / "run").exists()
+
+
+LATE_RANK_0 = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from utils import cli
+from utils.errors import UserError
+cli.SHARED_ERROR_WAIT_S = {wait}
+
+@cli.cli_entry
+def main():
+    if os.environ["RANK"] == "0":
+        time.sleep({delay})  # rank 0 reaches the error its ranks share last (a loaded node)
+    raise UserError("the same on every rank", every_rank=True)
+
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_shared_error_is_printed_once_however_late_rank_0_is(tmp_path):
+    """torchrun stops the group as soon as one worker exits: rank 1 must not exit before rank 0 has
+    printed the line they share. Rank 0 7 s late ("late"), and never there within rank 1's wait
+    ("hung": rank 1 then prints it). Both under torchrun, side by side."""
+    cases = {"late": (7, 60), "hung": (600, 1)}
+    procs = {}
+    for name, (delay, wait) in cases.items():
+        script = tmp_path / f"{name}.py"
+        script.write_text(LATE_RANK_0.format(repo=str(REPO), delay=delay, wait=wait))
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             f"--master_port={free_port()}", str(script)], cwd=tmp_path, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        errors = [line for line in (out + err).splitlines() if line.startswith("error:")]
+        assert proc.returncode != 0 and errors == ["error: the same on every rank"], (name, out + err)

@@ -153,11 +153,23 @@ def test_transforms_give_square_crops_of_img_size(size):
     assert torch.allclose(val[:, 24, 24], expected, atol=1e-5)
 
 
-def test_train_transform_augments_val_transform_does_not():
+def test_train_transform_crops_and_flips_at_random_val_transform_does_not():
+    """Each random step of the train transform is seen to fire, over a fixed seed's draws (so the
+    outcome is fixed), however the colours are augmented."""
+    torch.manual_seed(0)
+    # The flip: at min_crop_scale=1 a square's crop is the whole image, so only the flip can move its
+    # black left half to the right. p=0.5: 200 draws give 100 +- 35 (5 sigma) mirrored.
+    whole_tf, _ = build_transforms(img_size=32, val_resize=36, min_crop_scale=1.0)
+    halves = Image.new("RGB", (64, 64))
+    halves.paste((255, 255, 255), (32, 0, 64, 64))
+    mirrored = sum(bool(t[:, :, :16].mean() > t[:, :, 16:].mean()) for t in (whole_tf(halves) for _ in range(200)))
+    assert 65 <= mirrored <= 135, mirrored
+    # The crop: 20 draws of a gradient give 20 different images, even with any flip undone.
     train_tf, val_tf = build_transforms(img_size=32, val_resize=36, min_crop_scale=0.08)
     img = Image.new("RGB", (64, 48))
     img.putdata([(x * 4 % 256, y * 5 % 256, (x * y) % 256) for y in range(48) for x in range(64)])
-    torch.manual_seed(0)
-    train_outs = [train_tf(img) for _ in range(4)]
-    assert any(not torch.equal(train_outs[0], t) for t in train_outs[1:])
-    assert all(torch.equal(val_tf(img), val_tf(img)) for _ in range(2))
+    distinct = len({frozenset((t.numpy().tobytes(), t.flip(-1).numpy().tobytes()))
+                    for t in (train_tf(img) for _ in range(20))})
+    assert distinct == 20
+    first = val_tf(img)
+    assert all(torch.equal(first, val_tf(img)) for _ in range(5))

@@ -84,20 +84,24 @@ def test_elastic_losing_a_node_mid_epoch_the_survivor_finishes_at_world_size_1(f
     out = tmp_path / "run"
     args = run_args(flowers, out, "train.log_every=1", "train.save_every_steps=1", epochs=3, flags=["--resume", "auto"])
     port, job = free_port(), f"elastic-{os.getpid()}"
-    # Short rendezvous timings, so a lost node is noticed and the smaller round closes in seconds.
-    conf = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
+    # A short last call, so the smaller round closes in seconds; a keep-alive of 10 s (2 s x 5), so a
+    # loaded machine's late heartbeat does not count a live node as lost (the kill is noticed at once
+    # anyway: the survivor's next all-reduce fails).
+    conf = "last_call_timeout=3,keep_alive_interval=2,keep_alive_max_attempt=5"
     launcher = ["--nnodes=1:2", "--max-restarts=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 f"--rdzv_id={job}"]
     survivor = Node(REPO, [*launcher, f"--rdzv_conf=is_host=1,{conf}"], args, tmp_path / "a.log")  # holds the store
     time.sleep(1)
     lost = Node(REPO, [*launcher, f"--rdzv_conf=is_host=0,{conf}"], args, tmp_path / "b.log")
     deadline = time.time() + 180
-    last = out / "checkpoints" / "last.pt"
-    # Lose node b in epoch 2, after a mid-epoch save of the world-size-2 run (3 steps per epoch there).
-    while not (last.exists() and load(last)["global_step"] >= 4):
+    # Lose node b in epoch 2 between global steps 4 and 6 (3 steps per epoch at world size 2): rank 0
+    # (on either node) prints epoch 2's step-2 line after step 4's checkpoint (train.save_every_steps=1)
+    # is saved, and the kill lands well before the epoch's last step and its evaluation are done.
+    in_epoch_2 = re.compile(r"^epoch 2/3  step 2/3  ", re.MULTILINE)
+    while not any(in_epoch_2.search(node.text()) for node in (survivor, lost)):
         assert time.time() < deadline and survivor.proc.poll() is None and lost.proc.poll() is None, \
             survivor.text()[-3000:] + lost.text()[-3000:]
-        time.sleep(0.1)
+        time.sleep(0.02)
     worker = lost.worker()
     os.kill(lost.proc.pid, signal.SIGKILL)  # the whole node: its agent, then its worker
     if worker:
@@ -111,7 +115,7 @@ def test_elastic_losing_a_node_mid_epoch_the_survivor_finishes_at_world_size_1(f
     assert "1 process(es) on cpu" in log
     epochs = [m["epoch"] for m in map(eval_json, (out / "metrics.jsonl").read_text().splitlines())]
     assert epochs == [1, 2, 3]  # every epoch once
-    state = load(last)
+    state = load(out / "checkpoints" / "last.pt")
     # Counted in this run's steps from epoch 2 on: 3 epochs x 6 steps of one process (re-placed schedule).
     assert state["epoch"] == 3 and state["data"]["world_size"] == 1 and state["global_step"] == 3 * 6
 

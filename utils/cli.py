@@ -3,16 +3,19 @@
 Set TRAIN_DEBUG=1 in the environment to get the full Python traceback as well.
 """
 import argparse
+import datetime
 import functools
 import os
 import sys
-import time
 import traceback
 
-from utils.distributed_utils import cleanup
+from utils.distributed_utils import _restart_store, cleanup
 from utils.errors import UserError, one_line
 
-SHARED_ERROR_GRACE_S = 5
+# How long a rank other than 0 waits for rank 0 to print an error they share; past it, it prints the
+# line itself (rank 0 hung or lost), late rather than never.
+SHARED_ERROR_WAIT_S = 60
+_PRINTED_KEY = "cli/shared_error_printed"
 
 
 def debug_enabled():
@@ -29,15 +32,7 @@ def cli_entry(main):
         except UserError as e:
             if debug_enabled():
                 traceback.print_exc()
-            # An error of one rank is printed by that rank; one that all ranks share
-            # is printed once. The exit code alone makes torchrun stop the group.
-            launch_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-            if not (getattr(e, "every_rank", False) and launch_rank != "0"):
-                print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-            elif "TORCHELASTIC_RUN_ID" in os.environ:
-                # torchrun stops every worker as soon as one exits; a moment's wait lets rank 0,
-                # which alone prints a shared error, get there (under load it can be seconds behind).
-                time.sleep(SHARED_ERROR_GRACE_S)
+            print_error(e)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
@@ -48,6 +43,37 @@ def cli_entry(main):
             cleanup()
 
     return wrapper
+
+
+def print_error(e):
+    """The `error:` line of UserError `e`: by the rank that raised it, or once for an error that every
+    rank raises (e.every_rank), by rank 0.
+
+    torchrun stops every worker as soon as one exits, so under it a rank other than 0 exits only once
+    rank 0 has printed the line: it waits for the key rank 0 sets in torchrun's store after printing.
+    The exit code alone then makes torchrun stop the group."""
+    line = f"error: {one_line(e)}"
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if not getattr(e, "every_rank", False):
+        print(line, file=sys.stderr, flush=True)
+        return
+    try:
+        store = _restart_store(int(os.environ.get("WORLD_SIZE", "1")),
+                               datetime.timedelta(seconds=SHARED_ERROR_WAIT_S))  # None outside torchrun
+    except RuntimeError:  # torchrun's store unreachable: no way to agree, so no rank stays silent
+        store, rank = None, "0"
+    if rank == "0":
+        print(line, file=sys.stderr, flush=True)
+        try:
+            if store is not None:
+                store.set(_PRINTED_KEY, "1")
+        except RuntimeError:
+            pass  # the line is out; the others print it too after their wait
+    elif store is not None:
+        try:
+            store.wait([_PRINTED_KEY], datetime.timedelta(seconds=SHARED_ERROR_WAIT_S))
+        except RuntimeError:
+            print(line, file=sys.stderr, flush=True)
 
 
 class ArgumentParser(argparse.ArgumentParser):
