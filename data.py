@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
 from utils.config import config_to_dict, load_config
-from utils.distributed_utils import broadcast_object, gather_objects, get_rank, get_world_size, is_main_process
+from utils.distributed_utils import (broadcast_object, gather_objects, get_rank, get_world_size, is_main_process,
+                                     use_channels_last)
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
-from utils.optim import use_channels_last
 
 # PIL's own decompression-bomb check warns or fails without naming the file;
 # load_rgb applies data.max_image_pixels itself, with the path in the message.

@@ -1,5 +1,5 @@
 """The training recipe built from the config: optimizer, learning-rate schedule, mixed
-precision and memory layout, the loss's class weights, MixUp/CutMix and the EMA of the weights."""
+precision, the loss's class weights, MixUp/CutMix and the EMA of the weights."""
 import copy
 import inspect
 import math
@@ -150,12 +150,6 @@ def resolve_amp(amp, device):
     if amp == "auto":
         return torch.bfloat16 if _native_bf16() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-
-
-def use_channels_last(enabled, device):
-    """model.channels_last on this device: NHWC on CUDA only, where tensor-core convolutions gain from it;
-    elsewhere the default layout. The one rule for the model, the loaders and the loop."""
-    return bool(enabled) and device.type == "cuda"
 
 
 def _native_bf16():
