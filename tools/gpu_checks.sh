@@ -1,91 +1,267 @@
 #!/usr/bin/env bash
 # Every GPU test and both benchmarks of this repository in one run of at most 9 minutes, on a CUDA machine.
 #
-#   bash tools/gpu_checks.sh                          # from anywhere; results in runs/gpu_checks/
-#   OUT=/path/to/results bash tools/gpu_checks.sh     # results elsewhere
-#   WHEELS=/path/to/wheels bash tools/gpu_checks.sh   # no package index: omegaconf/tqdm, if missing,
-#                                                     # are installed from wheels in that folder
-#   QUICK=1 bash tools/gpu_checks.sh                  # rehearsal on a CPU: tiny sizes, same steps
+#   bash tools/gpu_checks.sh                   # results in runs/gpu_checks/: summary.md and gpu_checks.tgz
+#   OUT=DIR bash tools/gpu_checks.sh           # results in DIR instead
+#   WHEELS=DIR bash tools/gpu_checks.sh        # no package index: the modules python lacks (omegaconf,
+#                                              # tqdm) are installed from the wheels in DIR
+#   QUICK=1 bash tools/gpu_checks.sh           # rehearsal on a CPU: tiny sizes, same steps
+#   STEPS="test_optim benchmark" bash ...      # only these steps (setup still runs when a module is missing)
+#   TESTS="tests/test_optim.py" bash ...       # these pytest files instead of every file with GPU tests
+#   PYTHON (default python3), WORK (scratch, default /tmp/gpu_checks), TOTAL, GRACE and each L_* below
+#   can be set the same way.
 #
-# Fill a WHEELS folder on a machine with a package index, for the GPU machine's Python and platform:
-#   python -m pip download -d wheels omegaconf tqdm          # same Python version and platform, or add
-#   #   --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64   (for example)
+# The GPU machine (Python 3.12, x86_64; torch, torchvision, PyYAML and tqdm installed; no package index)
+# lacks only omegaconf. Fill the wheel folder once, on a machine with an index, in the repository root
+# (git-ignored there by: echo /.whl/ >> .git/info/exclude):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0
+# omegaconf 2.4.0 is one py3-none-any wheel whose only requirement is PyYAML>=5.1.0, which that machine
+# has: setup installs with --no-deps, so nothing else need be in the folder. The call to make there, with
+# .whl carried along and OUT the folder whose files come back:
+#   WHEELS=.whl OUT="$OUT" bash tools/gpu_checks.sh
 #
-# Steps, each under its own time limit (LIMITS below), each writing its results as it goes:
-#   data             benchmark.py --prepare-data: the flower-sized folder both tools read (3,670 JPEGs in
-#                    data/bench_flowers, kept for later runs); made in the background while the tests run
-#   test_<file>      pytest -m gpu, one call per test file with GPU tests, so that one slow file cannot
-#                    starve the others; no -x: every test gets its chance. Each call writes
-#                    junit-<file>.xml (also when stopped by its limit: SIGTERM ends the session cleanly)
-#   benchmark        benchmarks/benchmark.py: ResNet34, batch 128, bf16, channels_last, 224 px: ceiling,
-#                    end to end with data.pipeline=pil and gpu, DDP world-size-1 ratio, CPU bare-loop
-#                    ratio, and last the torch.compile ceiling; benchmark.json/.md rewritten after each part
-#   scaling          benchmarks/scaling.py --pipeline gpu: single / DP / DDP on every visible GPU, two
-#                    epochs each; scaling.json/.md/.png rewritten after each row
-# A step that fails or hits its limit leaves what it finished, and the next step still runs.
+# Steps, each under its own time limit (LIMITS below), in this order:
+#   setup              only when omegaconf or tqdm is missing: pip install --no-index --no-deps from
+#                      WHEELS into WORK/site (put on PYTHONPATH); if that fails the run stops here
+#   data               benchmark.py --prepare-data: the flower-sized folder the tools read (3,670 JPEGs in
+#                      data/bench_flowers, kept for later runs); made in the background while the tests run
+#   test_<file>        pytest -m gpu, one call per test file with GPU tests, so that one slow file cannot
+#                      starve the others; no -x: every test gets its chance. Each writes junit-<file>.xml
+#                      (also when stopped by its limit: SIGTERM ends the pytest session cleanly)
+#   benchmark          benchmarks/benchmark.py: ResNet34, batch 128, bf16, channels_last, 224 px: ceiling,
+#                      end to end with data.pipeline=pil and gpu, DDP world-size-1 ratio, CPU bare-loop ratio
+#   scaling            benchmarks/scaling.py --pipeline gpu: single / DP / DDP on every visible GPU
+#   benchmark_compile  benchmark.py --compile --skip e2e,ddp,bare: eager and torch.compile ceilings. Last,
+#                      since a cold compile is the longest and least sure part; not run with QUICK=1
+# A step that fails or hits its limit leaves what it finished, and the next step still runs. When a step
+# ends, whether by itself, by its limit or by a signal to this script, every process it started ends too
+# (torchrun's workers, a test's setsid'd launcher, DataLoader workers): none is left to slow the next.
 #
-# OUT gets: summary.md (the table printed last: per step its result, seconds, limit, what finished and
-# what did not; rewritten after every step), gpu_checks.log (everything printed), logs/<step>.log (each
-# step's whole output), junit-<file>.xml, benchmark.json/.md, scaling.json/.md/.png.
-# Scratch files (checkpoints, run folders) go to WORK (default /tmp/gpu_checks).
+# OUT gets two files, rewritten after every step and when the script is stopped by a signal: summary.md
+# (per step its result, seconds, limit, what finished and what did not) and gpu_checks.tgz, which holds
+# gpu_checks/ with summary.md, gpu_checks.log (everything printed), logs/<step>.log (each step's output,
+# logs/scaling-<row>.log per scaling row), junit-<file>.xml, benchmark.json/.md,
+# benchmark_compile.json/.md, scaling.json/.md/.png. (A device call returns at most 8 files.) The same
+# files, unpacked, are in WORK/results/gpu_checks; scratch (checkpoints, run folders) stays in WORK.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/gpu_checks}
-WORK=${WORK:-/tmp/gpu_checks}
+CALLER=$PWD  # relative OUT, WORK, WHEELS and TESTS are read from the caller's folder
+abs() { case $1 in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$CALLER/$1" ;; esac; }
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(abs "${OUT:-$REPO/runs/gpu_checks}")
+WORK=$(abs "${WORK:-/tmp/gpu_checks}")
+WHEELS=${WHEELS:+$(abs "$WHEELS")}
 PY=${PYTHON:-python3}
+case $PY in */*) PY=$(abs "$PY") ;; esac  # a path, not a name looked up on PATH
 QUICK=${QUICK:-}
-mkdir -p "$OUT/logs" "$WORK"
-OUT=$(cd "$OUT" && pwd)
+GRACE=${GRACE:-15}  # seconds between a stopped step's SIGTERM (pytest writes its junit) and SIGKILL
+cd "$REPO"
+if [ -n "$WHEELS" ] && [ ! -d "$WHEELS" ]; then
+    echo "error: WHEELS=$WHEELS is not a folder"
+    exit 1
+fi
+R=$WORK/results/gpu_checks
 # What an earlier run left must not pass for this run's results.
-rm -f "$OUT"/{summary.md,benchmark.json,benchmark.md,scaling.json,scaling.md,scaling.png} "$OUT"/junit-*.xml \
-      "$OUT"/logs/*.log "$WORK"/bench/benchmark.{json,md} "$WORK"/scaling/scaling.{json,md,png}
+rm -rf "$R" "$WORK"/bench/benchmark.{json,md} "$WORK"/bench_compile/benchmark.{json,md} "$WORK/scaling"
+mkdir -p "$OUT" "$R/logs" || { echo "error: cannot create $OUT and $R"; exit 1; }
+OUT=$(cd "$OUT" && pwd)
+rm -f "$OUT/summary.md" "$OUT/gpu_checks.tgz"
 export PYTHONUNBUFFERED=1
-exec > >(tee "$OUT/gpu_checks.log") 2>&1
-STEPS="$WORK/steps.tsv"
-: > "$STEPS"
+exec 3>&1 4>&2  # the caller's stdout/stderr, restored at the end so the log is complete before packing
+exec > >(tee "$R/gpu_checks.log") 2>&1
+TEE_PID=$!
+TSV=$WORK/steps.tsv
+: > "$TSV"
 
 # ---------------------------------------------------------------------------------------------------
-# LIMITS, in seconds. Rule: 2 x the longest time two CPU rehearsals measured for the step, rounded up
-# to 10 s (QUICK=1 bash tools/gpu_checks.sh on a 2-core x86-64 VM, no GPU, load about 3 from other
-# jobs, torch 2.14.1; the runs are in BENCHMARKS.md), PLUS, where the GPU run does work the rehearsal
-# skips or shrinks, an allowance that is REASONING, not measurement ("reasoned" below: no GPU figure
-# of this repository has been measured yet). Critical path: 130+90+30+20+30 (tests) + 130 + 100 = 530 s;
-# data runs beside the tests. TOTAL cuts any step's limit to what is left of the whole, so the script
-# ends within TOTAL + 15 s (timeout's --kill-after) even when the setup from WHEELS is slow.
+# LIMITS, in seconds. No GPU has run this script yet: every GPU figure below is REASONING, not
+# measurement. Measured: the CPU rehearsal (QUICK=1 on a 2-core x86-64 VM shared with other jobs,
+# OMP_NUM_THREADS=1; runs 1-7 in BENCHMARKS.md), which skips the GPU tests and runs the tools at tiny
+# sizes, so it gives each step's fixed costs (imports, pytest, process starts). A step's limit is 2 x the
+# longest rehearsal, rounded up to 10 s, plus the GPU work the rehearsal skips, reasoned from the work
+# counted in the tests and tools. For ResNet34, 224 px, batch 128, bf16, channels_last on one H200
+# (~790 bf16 TFLOP/s dense; ResNets reach far less, BatchNorm and ReLU being memory-bound): 22 GFLOP an
+# image for forward + backward, 2.8 TFLOP a step, taken as ~20-30 ms a step (~4,000-6,500 img/s).
+# Expected (not limits), in order: setup 3 + tests ~235 (70 + 110 + 20 + 10 + 25) + benchmark ~130 +
+# scaling ~65 = ~430 s, which leaves benchmark_compile ~110 s of TOTAL; where the GPU runs slower than
+# reasoned, the last steps get less, and summary.md says what they did not finish. A limit bounds a hung
+# step; TOTAL cuts any step's limit to what is left of the whole, so the script ends within TOTAL +
+# GRACE + a few seconds of packing (~560 s), inside a 600 s device call (30 s more only if a process
+# outlives SIGKILL, stuck in the kernel; the runner then leaves it and says so).
 TOTAL=${TOTAL:-540}
-L_SETUP=30          # pip from WHEELS (omegaconf, tqdm, PyYAML): 2 s in a rehearsal with the two hidden
-                    # -> 10; reasoned +20 s for a slower disk. Off the 530 s: TOTAL absorbs it
-L_DATA=120          # flower-sized folder, the same work on any machine: measured 50 s and 57 s on one
-                    # core (benchmark.py --prepare-data; in the rehearsal, the tiny folder: 11 s)
-L_CUDA_SCRIPTS=130  # 7 trainings in fresh processes (3 scripts, SyncBN ResNet34, a run and its resume,
-                    # DP with --device cpu) at the same sizes with CUDA_SCRIPTS_DEVICE=cpu: 61, 60 s.
-                    # Reasoned: CUDA start-up (~1-2 s a process) and the in-process DP test fit the margin
-L_GPU_PIPELINE=90   # 7, 5 s (its 2 GPU tests skip) -> 20; reasoned +70 s: train.py with
-                    # train.compile=true (inductor, cold cache, ~40-60 s) and a DDP run (~15 s)
-L_ENGINE=30         # 6, 5 s (2 GPU tests skip) -> 20; reasoned +10 s: 2 in-process resnet18 loops
-L_OPTIM=20          # 4, 3 s (2 GPU tests skip) -> 10; reasoned +10 s: 2 tiny in-process tests
-L_OTHER=30          # any other file with GPU tests, now test_parallel_semantics: 5, 5 s (1 GPU test
-                    # skips) -> 10; reasoned +20 s: SyncBN over 2 gloo ranks sharing one GPU (a torchrun)
-L_BENCH=130         # quick sizes: 17, 17 s -> 40, a floor only: the rehearsal does none of the full-size
-                    # work. Of that, part (d) runs on the CPU at full size anywhere: 33 s here on one
-                    # thread (with imports). Reasoned for ResNet34 224 px on one H200: CUDA start-up
-                    # ~5 s, ceiling ~10 s, end to end (2 pipelines x 3 epochs) ~30 s, DDP (5 variants x
-                    # 6 x 50 steps) ~35 s: with (d) ~115 s. The torch.compile ceiling comes last and gets
-                    # what is left, likely too little (compiling takes a minute or more): it is then
-                    # reported as not finished, every other part already in benchmark.md. Measure it
-                    # alone with: python benchmarks/benchmark.py --compile --skip e2e,ddp,bare
-L_SCALING=100       # 3 quick rows: 30, 24 s -> 60 (start-up: a row's epoch is <= 0.94 s of its 5-12 s);
-                    # reasoned +40 s for one GPU (single, DP, DDP): per row, decoding 3,670 JPEGs once
-                    # (24 s here with 2 workers on 2 cores; ~6 s with 8 workers) + 2 ResNet34 epochs (~5 s)
-ROW_LIMIT=45        # scaling.py --timeout, per row, so a hung row leaves the others their time: longest
-                    # quick row 12.2 s -> 30; reasoned +15 s (that row's decoding and epochs)
+L_SETUP=${L_SETUP:-30}     # pip from WHEELS (omegaconf, --no-deps): 1-2 s in runs 4-7 -> 10; +20 s for
+                           # a slower disk
+L_DATA=${L_DATA:-120}      # the flower-sized folder, the same work on any machine: measured 50 s and 57 s
+                           # on one core (benchmark.py --prepare-data); beside the tests, so off the total
+L_CUDA_SCRIPTS=${L_CUDA_SCRIPTS:-150}  # 7 trainings, 9 Python starts (3 scripts, SyncBN ResNet34, a run
+                           # and its resume, DP with --device cpu), run at the same sizes on the CPU
+                           # (CUDA_SCRIPTS_DEVICE=cpu): 54-74 s -> 150. Reasoned: on CUDA each start adds
+                           # ~1-3 s of CUDA context and cuDNN handles, the tiny epochs get faster: ~60-80 s
+L_GPU_PIPELINE=${L_GPU_PIPELINE:-160}  # 5-9 s (both GPU tests skip) -> 20. Reasoned +140: train.py with
+                           # train.compile=true starts cold and compiles resnet18 three times (the train
+                           # step forward + backward ~30-60 s, eval mode ~15 s, a recompile for the last val
+                           # batch of 2 ~15 s; 1.5x if process starts and cache writes are slow there), a
+                           # torchrun DDP run with data.pipeline=gpu (2 starts, ~15 s), the in-process
+                           # pipeline test (~5 s): ~85-155 s
+L_ENGINE=${L_ENGINE:-50}   # 5-15 s (its GPU tests skip) -> 30; reasoned +20: CUDA start-up and 3 in-process
+                           # resnet18 loops of 2 x 8 tiny steps (bf16, fp16 with GradScaler, the recipe)
+L_OPTIM=${L_OPTIM:-40}     # 3-11 s (its GPU tests skip) -> 30; reasoned +10: CUDA start-up, tiny tests
+L_OTHER=${L_OTHER:-40}     # any other file with GPU tests, now test_parallel_semantics: 4-7 s -> 20;
+                           # reasoned +20: a torchrun of 2 gloo ranks sharing GPU 0 (3 Python starts, CUDA
+                           # start-up, ResNet34 built on the GPU, SyncBN over 4 samples): ~25 s
+L_BENCH=${L_BENCH:-200}    # quick sizes: 16-34 s -> 70, a floor only: the rehearsal does none of the
+                           # full-size work. Counted from benchmark.py's defaults (50 steps, 5 repeats,
+                           # 3 epochs), reasoned on one H200: start-up and CUDA ~10 s; (a) ceiling, warm-up
+                           # + 5 x 50 = 300 steps ~8 s; (b) train.main twice over 3 epochs of 2,935 + 735
+                           # images (pil: decoding with 8 workers, ~4 s an epoch; gpu: decoding once into
+                           # the cache, ~10 s, then ~1 s an epoch) with set-up and checkpoints ~40 s;
+                           # (c) bare + 5 DDP variants, each warm-up + 5 x 50 steps: 1,800 steps ~35-55 s;
+                           # (d) on the CPU at full size: 33 s on one thread of the VM (measured), ~15-35 s
+                           # there. ~110-150 s; 200 leaves ~1.3x
+L_SCALING=${L_SCALING:-140}  # 3 quick rows: 24-47 s (each row ~10 s, mostly start-up) -> 100; reasoned +40
+                           # for one GPU's 3 rows (single, DP, DDP) at full size: per row a start, decoding
+                           # 3,670 JPEGs once into the cache (~3 s with 8 workers) and 2 ResNet34 epochs at
+                           # batch 16 (230 launch-bound steps an epoch, ~3 s): ~20 s a row, ~65 s in all
+ROW_LIMIT=${ROW_LIMIT:-45}  # scaling.py --timeout, per row, so a hung row leaves the others their time:
+                           # longest quick row 12.2 s -> 30; reasoned +15 s (that row's decoding and epochs)
+L_COMPILE=${L_COMPILE:-120}  # not rehearsed (no compiler runs on the CPU VM). Reasoned: start-up ~10 s, the
+                           # eager ceiling again (300 steps, ~8 s), a cold inductor compile of ResNet34's
+                           # train step ~40-90 s, then warm-up 50 + 300 timed steps ~8 s: ~70-120 s
 # ---------------------------------------------------------------------------------------------------
 
 T0=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 
-summary() {  # the table from steps.tsv and the steps' own result files -> stdout and OUT/summary.md
-    "$PY" - "$STEPS" "$OUT" "${PLANNED[@]}" > "$OUT/.summary.md" <<'EOF'
+# The step runner: CMD under a time limit, and on any end (its own, the limit's, a signal's) every process
+# it started is stopped: SIGTERM to all, GRACE seconds, then SIGKILL until none is left. Processes are
+# found by walking /proc's parent links. A test's launcher started with start_new_session escapes a kill
+# of the process group, and the children of a process that dies are handed to init: so the runner makes
+# itself their "child subreaper" (they are handed to it instead) and also remembers every process it has
+# seen below it, to find one that was handed elsewhere. Exit: CMD's status; 124 when the limit stopped
+# it, 137 when CMD itself had to be killed; 143 when the runner was signalled.
+RUN_STEP=$WORK/run_step.py
+cat > "$RUN_STEP" <<'EOF'
+import ctypes, os, signal, subprocess, sys, time
+
+limit, grace, cmd = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+me = os.getpid()
+seen = {}  # pid -> start time (so a reused pid is not taken for it) of every process found below
+stop = None
+
+
+def note(msg):  # on a line of its own: pytest -v may have left the running test's name unfinished
+    print(f"\n[gpu_checks] {msg}", file=sys.stderr, flush=True)
+
+
+def proc_table():
+    table = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    s = f.read()
+            except OSError:
+                continue
+            fields = s[s.rindex(b")") + 2:].split()  # the name in (...) may hold spaces
+            table[int(d)] = (fields[0], int(fields[1]), int(fields[19]))  # state, ppid, start time
+    return table
+
+
+def tree():
+    """Live processes this runner started: its descendants, and those seen earlier, wherever they went."""
+    table = proc_table()
+    kids = {}
+    for pid, (_, ppid, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    found = {p for p, start in seen.items() if p in table and table[p][2] == start}
+    todo = [me, *found]
+    while todo:
+        for c in kids.get(todo.pop(), ()):
+            if c not in found and c != me:
+                found.add(c)
+                todo.append(c)
+    for p in found:
+        seen[p] = table[p][2]
+    return [p for p in found if table[p][0] != b"Z"]  # zombies are dead; reap() collects ours
+
+
+def reap():
+    global rc
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid == child.pid:
+            code = os.waitstatus_to_exitcode(status)
+            rc = child.returncode = 128 - code if code < 0 else code
+
+
+def signal_all(pids, sig):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+
+
+def on_signal(signum, frame):
+    global stop
+    stop = stop or "signal"
+
+
+try:  # orphans of the step are then handed to this runner, not to init, and stay findable
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+except (OSError, AttributeError):
+    pass
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, on_signal)
+rc = None
+t0 = time.monotonic()
+child = subprocess.Popen(cmd)
+while True:
+    reap()
+    tree()
+    if rc is not None or stop:
+        break
+    if time.monotonic() - t0 > limit:
+        stop = "limit"
+        break
+    time.sleep(0.5)  # each look reads every /proc/PID/stat: cheap, but not free under gVisor
+
+alive = tree()
+child_killed = False
+if alive:
+    why = {"limit": f"time limit of {limit:g} s reached", "signal": "stopped by a signal"}.get(
+        stop, "the step ended but left processes running")
+    note(f"{why}: SIGTERM to {len(alive)} processes")
+    signal_all(alive, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        reap()
+        alive = tree()
+    killed, give_up = set(), time.monotonic() + 30
+    while alive and time.monotonic() < give_up:  # again: a process may fork while its siblings die
+        child_killed |= rc is None and child.pid in alive
+        killed.update(alive)
+        signal_all(alive, signal.SIGKILL)
+        time.sleep(0.05)
+        reap()
+        alive = tree()
+    if killed:
+        note(f"SIGKILL to {len(killed)} processes still running after {grace:g} s")
+    if alive:  # stuck in the kernel (a GPU driver call, say): the script must still end
+        note(f"still alive 30 s after SIGKILL, left running: {sorted(alive)}")
+reap()
+if stop == "limit":
+    sys.exit(137 if child_killed else 124)
+sys.exit(143 if stop == "signal" else rc)
+EOF
+
+summary() {  # the table from steps.tsv and the steps' own result files -> R/summary.md, stdout
+    "$PY" - "$TSV" "$R" "${PLANNED[@]}" > "$R/.summary.md" <<'EOF'
 import json, re, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 steps, out, planned = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
@@ -122,11 +298,11 @@ def pytest_detail(name, rc):
         fin = "no GPU tests in this file"
     return fin, "; ".join(missing) or "-"
 
-def bench_detail():
+def bench_detail(name):
     try:
-        parts = json.loads((out / "benchmark.json").read_text())["parts"]
+        parts = json.loads((out / f"{name}.json").read_text())["parts"]
     except (OSError, ValueError, KeyError):
-        return "-", "no benchmark.json"
+        return "-", f"no {name}.json"
     missing = [f"failed: {k}" for k in parts["failed"]]
     if parts.get("running"):
         missing.append(f"stopped in {parts['running']}")
@@ -156,13 +332,14 @@ for name in planned:  # steps this run has not reached (yet): the script was sto
 for line in lines:
     name, rc, secs, limit = line.split("\t")
     rc = int(rc) if rc.lstrip("-").isdigit() else rc
-    result = {0: "ok", 124: "TIMED OUT", 137: "TIMED OUT (killed)", "running": "STOPPED (script ended)",
-              "skipped": "skipped", "not started": "not started"}.get(rc, f"exit {rc}")
+    result = {0: "ok", 124: "TIMED OUT", 137: "TIMED OUT (killed)", 143: "STOPPED (script ended)",
+              "running": "STOPPED (script ended)", "skipped": "skipped",
+              "not started": "not started"}.get(rc, f"exit {rc}")
     if name.startswith("test_"):
         fin, missing = pytest_detail(name, rc)
         result = {1: "tests failed", 5: "ok"}.get(rc, result)
-    elif name == "benchmark":
-        fin, missing = bench_detail()
+    elif name.startswith("benchmark"):
+        fin, missing = bench_detail(name)
     elif name == "scaling":
         fin, missing = scaling_detail()
     else:
@@ -171,84 +348,144 @@ for line in lines:
         fin, missing = "-", "no time left of TOTAL" if rc == "skipped" else "-"
     print(f"| {name} | {result} | {secs} | {limit} | {fin} | {missing} |")
 EOF
-    mv "$OUT/.summary.md" "$OUT/summary.md"
+    mv "$R/.summary.md" "$R/summary.md"
 }
 
-copy_results() {
-    for f in bench/benchmark.json bench/benchmark.md scaling/scaling.json scaling/scaling.md scaling/scaling.png; do
-        [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
+collect() {  # the tools' own result files -> R
+    local f
+    for f in benchmark.json benchmark.md; do
+        [ -f "$WORK/bench/$f" ] && cp "$WORK/bench/$f" "$R/"
+        [ -f "$WORK/bench_compile/$f" ] && cp "$WORK/bench_compile/$f" "$R/${f/benchmark/benchmark_compile}"
+    done
+    for f in "$WORK"/scaling/scaling.{json,md,png} "$WORK"/scaling/*.log; do
+        [ -f "$f" ] || continue
+        case $f in *.log) cp "$f" "$R/logs/scaling-$(basename "$f")" ;; *) cp "$f" "$R/" ;; esac
     done
 }
 
-# The plan: these four files first (their limits above), then any other file with GPU-marked tests.
+pack() {  # R -> OUT/gpu_checks.tgz, summary.md beside it; each through a temporary file and a rename
+    tar -czf "$OUT/.gpu_checks.tgz" -C "$WORK/results" gpu_checks 2>/dev/null
+    [ $? -le 1 ] && mv -f "$OUT/.gpu_checks.tgz" "$OUT/gpu_checks.tgz"  # 1: a log grew while read
+    [ -f "$R/summary.md" ] && cp "$R/summary.md" "$OUT/.summary.md" && mv -f "$OUT/.summary.md" "$OUT/summary.md"
+}
+
+report() {  # after every step: the table, then the archive
+    collect
+    summary
+    pack
+}
+
+finish() {  # the last word: the table on the console and in the log, then the archive with the whole log
+    local rc=$1
+    [ -f "$R/summary.md" ] && cat "$R/summary.md"
+    exec 1>&3 2>&4 3>&- 4>&-
+    for _ in $(seq 50); do kill -0 "$TEE_PID" 2>/dev/null || break; sleep 0.1; done
+    pack
+    exit "$rc"
+}
+
+# The plan: these four files first (their limits above), then any other file that marks tests gpu (a
+# decorator, pytestmark or marks=; not a mention in a string, as tests/test_gpu_checks.py's fake test).
 declare -A LIMIT=([test_cuda_scripts]=$L_CUDA_SCRIPTS [test_gpu_pipeline]=$L_GPU_PIPELINE
                   [test_engine]=$L_ENGINE [test_optim]=$L_OPTIM)
 TEST_FILES=()
-for f in tests/test_cuda_scripts.py tests/test_gpu_pipeline.py tests/test_engine.py tests/test_optim.py \
-         $(grep -l "mark\.gpu" tests/test_*.py); do
-    [ -f "$f" ] && [[ ! " ${TEST_FILES[*]} " =~ " $f " ]] && TEST_FILES+=("$f")
+if [ -n "${TESTS:-}" ]; then
+    for f in $TESTS; do
+        f=$(abs "$f")
+        [ -f "$f" ] || { echo "error: TESTS: no such file: $f"; exit 1; }
+        TEST_FILES+=("$f")
+    done
+else
+    for f in tests/test_cuda_scripts.py tests/test_gpu_pipeline.py tests/test_engine.py tests/test_optim.py \
+             $(grep -lE '^\s*@pytest\.mark\.gpu|^pytestmark\b.*mark\.gpu|marks=.*mark\.gpu' tests/test_*.py); do
+        [ -f "$f" ] && [[ ! " ${TEST_FILES[*]} " =~ " $f " ]] && TEST_FILES+=("$f")
+    done
+fi
+KNOWN=(setup data)
+for f in "${TEST_FILES[@]}"; do KNOWN+=("$(basename "$f" .py)"); done
+KNOWN+=(benchmark scaling benchmark_compile)
+DEFAULT_STEPS="${KNOWN[*]}"
+[ -n "$QUICK" ] && DEFAULT_STEPS=${DEFAULT_STEPS% benchmark_compile}  # no compiler run on a CPU rehearsal
+read -ra SEL <<< "${STEPS:-$DEFAULT_STEPS}"
+SELECTED=" ${SEL[*]} "  # one space between names and at each end, for wanted()
+for s in "${SEL[@]}"; do
+    [[ " ${KNOWN[*]} " =~ " $s " ]] || { echo "error: STEPS: unknown step '$s'; the steps: ${KNOWN[*]}"; exit 1; }
 done
+wanted() { [[ $SELECTED =~ " $1 " ]]; }
 PLANNED=()
-for f in "${TEST_FILES[@]}"; do PLANNED+=("$(basename "$f" .py)"); done
-PLANNED+=(data benchmark scaling)
+for s in "${KNOWN[@]}"; do [ "$s" != setup ] && wanted "$s" && PLANNED+=("$s"); done
 
 STEP_PID=
+STEP_RC=
 CURRENT=
+DATA_PID=
 on_stop() {  # this script was signalled: stop the running step, keep what it left, print the table
-    trap - TERM INT
+    trap - TERM INT HUP
     [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null && wait "$STEP_PID"
-    if [ -f "$WORK/data.pid" ] && [ ! -f "$WORK/data.rc" ]; then
-        kill -TERM "$(cat "$WORK/data.pid")" 2>/dev/null
-        printf 'data\trunning\t%s\t%s\n' "$(( $(date +%s) - DATA_T0 ))" "$L_DATA" >> "$STEPS"
+    if [ -n "$DATA_PID" ] && [ ! -f "$WORK/data.rc" ]; then
+        [ -f "$WORK/data.pid" ] && kill -TERM "$(cat "$WORK/data.pid")" 2>/dev/null
+        wait "$DATA_PID"
+        printf 'data\trunning\t%s\t%s\n' "$(( $(date +%s) - DATA_T0 ))" "$L_DATA" >> "$TSV"
     fi
-    [ -n "$CURRENT" ] && printf '%s\trunning\t%s\t%s\n' "$CURRENT" "$(( $(date +%s) - STEP_T0 ))" "-" >> "$STEPS"
-    copy_results
+    [ -n "$CURRENT" ] && printf '%s\trunning\t%s\t%s\n' "$CURRENT" "$(( $(date +%s) - STEP_T0 ))" "-" >> "$TSV"
     echo "== stopped by a signal"
-    summary
-    cat "$OUT/summary.md"
-    exit 143
+    report
+    finish 143
 }
-trap on_stop TERM INT
+trap on_stop TERM INT HUP
 
 step() {  # step NAME LIMIT CMD...: run with a time limit (cut to what is left of TOTAL), log, record
     local name=$1 limit=$2; shift 2
-    local l=$(left)
+    local l
+    l=$(left)
     if [ "$l" -lt 5 ]; then
-        printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$STEPS"
+        printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$TSV"
+        STEP_RC=skipped
         echo "== $name: skipped, no time left of TOTAL=${TOTAL}s"
+        report
         return
     fi
     [ "$l" -lt "$limit" ] && limit=$l
     echo "== $name (limit ${limit}s): $*"
     CURRENT=$name STEP_T0=$(date +%s)
-    timeout --kill-after=15 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1 &
+    "$PY" "$RUN_STEP" "$limit" "$GRACE" "$@" > "$R/logs/$name.log" 2>&1 &
     STEP_PID=$!
     wait "$STEP_PID"
-    local rc=$?
+    STEP_RC=$?
     STEP_PID= CURRENT=
     local secs=$(( $(date +%s) - STEP_T0 ))
-    tail -n 15 "$OUT/logs/$name.log"
-    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$limit" >> "$STEPS"
-    echo "== $name: exit $rc in ${secs} s"
-    copy_results
-    summary
+    tail -n 15 "$R/logs/$name.log"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$STEP_RC" "$secs" "$limit" >> "$TSV"
+    echo "== $name: exit $STEP_RC in ${secs} s"
+    report
 }
 
 # -- environment --------------------------------------------------------------------------------------
 date -u +%FT%TZ
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 echo "cpu cores: $(nproc), load: $(cut -d' ' -f1-3 /proc/loadavg)${QUICK:+, QUICK=1 (CPU rehearsal, tiny sizes)}"
+echo "steps:${SELECTED% }"
+"$PY" -c pass 2>/dev/null || { echo "error: PYTHON=$PY does not run"; finish 1; }
 missing=$(for m in omegaconf tqdm; do "$PY" -c "import $m" 2>/dev/null || printf '%s ' "$m"; done)
 if [ -n "$missing" ]; then
-    if [ -z "${WHEELS:-}" ]; then
-        echo "error: python modules missing: $missing; pip install -r requirements.txt, or WHEELS=<folder of wheels>"
-        exit 1
+    if [ -z "$WHEELS" ]; then
+        echo "error: python modules missing: ${missing% }; pip install -r requirements.txt, or WHEELS=<folder of wheels>"
+        finish 1
     fi
-    step setup "$L_SETUP" "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir \
-        --target "$WORK/site" $missing
+    rm -rf "$WORK/site"
+    # --no-deps: --target ignores what is installed, so pip would want PyYAML from the folder too.
+    step setup "$L_SETUP" bash -c '"$1" -m pip install --no-index --no-deps --find-links "$2" --target "$3" \
+        --no-cache-dir --disable-pip-version-check "${@:4}" && PYTHONPATH=$3${PYTHONPATH:+:$PYTHONPATH} "$1" -c \
+        "import importlib, sys; [print(m, \"from\", importlib.import_module(m).__file__) for m in sys.argv[1:]]" \
+        "${@:4}"' setup "$PY" "$WHEELS" "$WORK/site" $missing
+    if [ "$STEP_RC" != 0 ]; then
+        echo "error: setup could not install ${missing% } from WHEELS=$WHEELS (logs/setup.log above)"
+        finish 1
+    fi
     export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 "$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+report
 
 Q= COMPILE=--compile
 if [ -n "$QUICK" ]; then
@@ -263,35 +500,43 @@ fi
 # -- data, in the background while the tests run ------------------------------------------------------
 DATA_T0=$(date +%s)
 rm -f "$WORK/data.rc" "$WORK/data.pid"
-( timeout --kill-after=15 "$L_DATA" "$PY" benchmarks/benchmark.py $Q --prepare-data --out-dir "$WORK/bench" \
-      > "$OUT/logs/data.log" 2>&1 &
-  echo $! > "$WORK/data.pid"
-  wait $!
-  echo "$? $(( $(date +%s) - DATA_T0 ))" > "$WORK/data.rc" ) &
-DATA_PID=$!
+if wanted data; then
+    ( "$PY" "$RUN_STEP" "$L_DATA" "$GRACE" "$PY" benchmarks/benchmark.py $Q --prepare-data --out-dir "$WORK/bench" &
+      echo $! > "$WORK/data.pid"
+      wait $!
+      echo "$? $(( $(date +%s) - DATA_T0 ))" > "$WORK/data.rc" ) > "$R/logs/data.log" 2>&1 &
+    DATA_PID=$!
+fi
 
 # -- GPU tests, one pytest call per file --------------------------------------------------------------
-# SIGTERM (from timeout) becomes KeyboardInterrupt: pytest then ends the session and writes its junit xml.
+# SIGTERM (from the runner) becomes KeyboardInterrupt: pytest then ends the session and writes its junit xml.
 PYTEST=("$PY" -c "import signal, sys, pytest; signal.signal(signal.SIGTERM, signal.default_int_handler); sys.exit(pytest.main())"
         -v -m gpu -p no:cacheprovider)
 for f in "${TEST_FILES[@]}"; do
     name=$(basename "$f" .py)
-    step "$name" "${LIMIT[$name]:-$L_OTHER}" "${PYTEST[@]}" --junitxml="$OUT/junit-${name#test_}.xml" "$f"
+    wanted "$name" || continue
+    step "$name" "${LIMIT[$name]:-$L_OTHER}" "${PYTEST[@]}" --junitxml="$R/junit-${name#test_}.xml" "$f"
 done
 
 # -- the two tools ------------------------------------------------------------------------------------
-wait "$DATA_PID"
-read -r rc secs < "$WORK/data.rc" 2>/dev/null || { rc=running; secs=-; }
-printf '%s\t%s\t%s\t%s\n' data "$rc" "$secs" "$L_DATA (beside the tests)" >> "$STEPS"
-echo "== data: exit $rc in ${secs} s (beside the tests)"; tail -n 3 "$OUT/logs/data.log"
-step benchmark "$L_BENCH" "$PY" benchmarks/benchmark.py $Q $COMPILE --out-dir "$WORK/bench"
-step scaling "$L_SCALING" "$PY" benchmarks/scaling.py $Q --pipeline gpu --timeout "$ROW_LIMIT" \
+if [ -n "$DATA_PID" ]; then
+    wait "$DATA_PID"
+    DATA_PID=
+    read -r rc secs < "$WORK/data.rc" 2>/dev/null || { rc=running; secs=-; }
+    printf '%s\t%s\t%s\t%s\n' data "$rc" "$secs" "$L_DATA (beside the tests)" >> "$TSV"
+    echo "== data: exit $rc in ${secs} s (beside the tests)"; tail -n 3 "$R/logs/data.log"
+    report
+fi
+wanted benchmark && step benchmark "$L_BENCH" "$PY" benchmarks/benchmark.py $Q --out-dir "$WORK/bench"
+wanted scaling && step scaling "$L_SCALING" "$PY" benchmarks/scaling.py $Q --pipeline gpu --timeout "$ROW_LIMIT" \
     --out-dir "$WORK/scaling"
+wanted benchmark_compile && step benchmark_compile "$L_COMPILE" "$PY" benchmarks/benchmark.py $Q $COMPILE \
+    --skip e2e,ddp,bare --out-dir "$WORK/bench_compile"
 
 # -- results ------------------------------------------------------------------------------------------
 echo
-for f in scaling.md benchmark.md; do [ -f "$OUT/$f" ] && { cat "$OUT/$f"; echo; }; done
-echo "== $(( $(date +%s) - T0 )) s in all; results in $OUT"
+for f in scaling.md benchmark.md benchmark_compile.md; do [ -f "$R/$f" ] && { cat "$R/$f"; echo; }; done
+echo "== $(( $(date +%s) - T0 )) s in all; results in $OUT (summary.md, gpu_checks.tgz) and $R"
 echo
-summary
-cat "$OUT/summary.md"
+report
+finish 0

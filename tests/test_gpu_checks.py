@@ -1,0 +1,239 @@
+"""tools/gpu_checks.sh's own plumbing, on CPU: the setup from a wheel folder, the archive, the time limit.
+
+    python -m pytest tests/test_gpu_checks.py -q
+
+Each test runs the real script with STEPS/TESTS choosing one cheap step, so the paths a GPU machine
+takes (setup from WHEELS into a Python without omegaconf, a step stopped by its limit) run here too.
+"""
+import base64
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import omegaconf
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+SCRIPT = REPO / "tools" / "gpu_checks.sh"
+
+
+def start_script(tmp_path, env):
+    """The script in a process group of its own, so that a failing test can kill all of it."""
+    full = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), **env}
+    return subprocess.Popen(["bash", str(SCRIPT)], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def kill_script(script):
+    if script.poll() is None:
+        os.killpg(script.pid, signal.SIGKILL)
+    script.communicate()
+
+
+def run_script(tmp_path, env, timeout=240):
+    script = start_script(tmp_path, env)
+    try:
+        out, err = script.communicate(timeout=timeout)
+    finally:
+        kill_script(script)
+    return subprocess.CompletedProcess(script.args, script.returncode, out, err)
+
+
+def archive_names(out):
+    with tarfile.open(out / "gpu_checks.tgz") as t:
+        return set(t.getnames())
+
+
+def summary_rows(out):
+    """{step: [result, seconds, limit, finished, not finished]} from OUT/summary.md."""
+    rows = {}
+    for line in (out / "summary.md").read_text().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+# ------------------------------------------------------------------ setup: omegaconf from a wheel folder
+
+def omegaconf_wheel(folder):
+    """The installed omegaconf repacked as the wheel PyPI serves (omegaconf-<ver>-py3-none-any.whl):
+    its package folder and its .dist-info (METADATA, WHEEL, a RECORD of what the zip holds)."""
+    site = Path(omegaconf.__file__).parent.parent
+    dist_info = next(site.glob(f"omegaconf-{omegaconf.__version__}.dist-info"))
+    files = [p for p in sorted((site / "omegaconf").rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    # What the installer added (INSTALLER, REQUESTED, direct_url.json) is no part of a wheel; RECORD is rewritten.
+    files += [p for p in sorted(dist_info.rglob("*")) if p.is_file() and
+              p.name not in ("INSTALLER", "REQUESTED", "direct_url.json", "RECORD")]
+    wheel = folder / f"omegaconf-{omegaconf.__version__}-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
+    record = []
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        for p in files:
+            arc, data = p.relative_to(site).as_posix(), p.read_bytes()
+            z.writestr(arc, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{arc},sha256={digest},{len(data)}")
+        record.append(f"{dist_info.name}/RECORD,,")
+        z.writestr(f"{dist_info.name}/RECORD", "\n".join(record) + "\n")
+    return wheel
+
+
+HIDE = """\
+# This interpreter's own omegaconf is hidden; a copy elsewhere on sys.path (PYTHONPATH) still imports.
+import importlib.machinery, os, sys
+HIDDEN = {hidden!r}
+
+class HideInstalledOmegaconf:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "omegaconf":
+            return None
+        rest = [p for p in sys.path if os.path.realpath(p or ".") != HIDDEN]
+        spec = importlib.machinery.PathFinder.find_spec(name, rest)
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return spec
+
+sys.meta_path.insert(0, HideInstalledOmegaconf)
+"""
+
+
+def python_without_omegaconf(tmp_path):
+    """A PYTHON for the script: this venv's interpreter, with torch, pytest... but no importable omegaconf.
+    The hiding sitecustomize rides on PYTHONPATH, so the processes it starts (sys.executable) lack it too."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    hidden = os.path.realpath(Path(omegaconf.__file__).parent.parent)
+    (hide / "sitecustomize.py").write_text(HIDE.format(hidden=hidden))
+    wrapper = tmp_path / "python-without-omegaconf"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{hide}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_setup_installs_omegaconf_from_its_wheel_alone_and_the_run_goes_on(tmp_path):
+    """A Python where `import omegaconf` fails, a folder with only the omegaconf wheel (as the documented
+    `pip download --no-deps` makes it: no PyYAML): setup succeeds, a step that imports omegaconf passes,
+    and everything lands in OUT/gpu_checks.tgz with summary.md beside it."""
+    py = python_without_omegaconf(tmp_path)
+    gone = subprocess.run([str(py), "-c", "import omegaconf"], capture_output=True, text=True)
+    assert gone.returncode != 0 and "No module named 'omegaconf'" in gone.stderr
+    wheels = tmp_path / "wheels"
+    omegaconf_wheel(wheels)
+    assert [p.name for p in wheels.iterdir()] == [f"omegaconf-{omegaconf.__version__}-py3-none-any.whl"]
+
+    r = run_script(tmp_path, {"PYTHON": str(py), "WHEELS": str(wheels), "QUICK": "1", "STEPS": "test_optim"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    out = tmp_path / "out"
+    installed = tmp_path / "work" / "site" / "omegaconf" / "__init__.py"
+    assert f"omegaconf from {installed}" in r.stdout
+    rows = summary_rows(out)
+    assert rows["setup"][0] == "ok" and rows["test_optim"][0] == "ok", rows
+    # test_optim.py imports omegaconf (utils.config) when collected: its GPU tests were collected and skipped.
+    assert "skipped" in rows["test_optim"][3], rows
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_checks.tgz", "summary.md"]
+    names = archive_names(out)
+    for name in ("summary.md", "gpu_checks.log", "logs/setup.log", "logs/test_optim.log", "junit-optim.xml"):
+        assert f"gpu_checks/{name}" in names, sorted(names)
+
+
+def test_a_missing_module_without_wheels_is_one_error_line(tmp_path):
+    py = python_without_omegaconf(tmp_path)
+    r = run_script(tmp_path, {"PYTHON": str(py), "WHEELS": "", "STEPS": "test_optim"}, timeout=60)
+    assert r.returncode == 1
+    assert [line for line in r.stdout.splitlines() if line.startswith("error:")] == [
+        "error: python modules missing: omegaconf; pip install -r requirements.txt, or WHEELS=<folder of wheels>"]
+
+
+# ------------------------------------------------------------------ a step stopped by its limit
+
+OVERRUN = '''\
+import subprocess, sys, time
+import pytest
+
+# Ignores SIGTERM, as a worker stuck in a collective may; its argv carries the test's token.
+SLEEPER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+{gpu_mark}
+def test_overruns():
+    # A launcher in its own session (as test_parallel_semantics starts torchrun) ...
+    subprocess.Popen([sys.executable, "-c", SLEEPER, {token!r}], start_new_session=True)
+    # ... and one whose parent has already exited (a daemon): init's, unless someone reaps it.
+    subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                      + repr(SLEEPER) + ", {token!r}], start_new_session=True)"]).wait()
+    time.sleep(600)
+'''
+
+
+GPU_MARK = "@pytest.mark.gpu"  # filled in, so that this file itself holds no GPU-marked test for the script
+
+
+def processes_with(token, whole_arg=False):
+    """Live processes whose command line holds `token` (whole_arg: as one of its arguments, as the
+    sleepers have it, not inside the code of the launcher that starts one)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmdline = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (token in cmdline.split(b"\0")) if whole_arg else (token in cmdline):
+            found.append(int(d.name))
+    return found
+
+
+def test_a_step_stopped_by_its_limit_leaves_no_process_behind(tmp_path):
+    token = f"gpu-checks-overrun-{os.getpid()}-{time.time_ns()}"
+    test_file = tmp_path / "test_overrun.py"
+    test_file.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK))
+    try:
+        t = time.monotonic()
+        r = run_script(tmp_path, {"PYTHON": sys.executable, "TESTS": str(test_file), "STEPS": "test_overrun",
+                                  "L_OTHER": "4", "GRACE": "2"}, timeout=120)
+        wall = time.monotonic() - t
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        time.sleep(0.5)
+        assert processes_with(token.encode()) == [], "processes the step started are still running"
+        rows = summary_rows(tmp_path / "out")
+        assert rows["test_overrun"][0] == "TIMED OUT" and rows["test_overrun"][4] == "stopped in test_overruns", rows
+        assert wall < 60, wall  # the limit (4 s) and GRACE (2 s) bound the step, not the sleepers' 600 s
+        assert {"gpu_checks/logs/test_overrun.log", "gpu_checks/junit-overrun.xml"} <= archive_names(tmp_path / "out")
+    finally:
+        for pid in processes_with(token.encode()):  # a failed run must not leave them to CI
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_script_stopped_by_a_signal_stops_its_step_and_still_packs(tmp_path):
+    token = f"gpu-checks-signal-{os.getpid()}-{time.time_ns()}"
+    test_file = tmp_path / "test_overrun.py"
+    test_file.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK))
+    script = start_script(tmp_path, {"PYTHON": sys.executable, "TESTS": str(test_file), "STEPS": "test_overrun",
+                                      "L_OTHER": "100", "GRACE": "2"})
+    try:
+        deadline = time.monotonic() + 60
+        while len(processes_with(token.encode(), whole_arg=True)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the step's two sleepers run
+        assert len(processes_with(token.encode(), whole_arg=True)) == 2, "the step did not start its sleepers"
+        script.send_signal(signal.SIGTERM)
+        out, err = script.communicate(timeout=60)
+        assert script.returncode == 143, out[-3000:] + err[-2000:]
+        time.sleep(0.5)
+        assert processes_with(token.encode()) == [], "processes the step started are still running"
+        rows = summary_rows(tmp_path / "out")
+        assert rows["test_overrun"][0] == "STOPPED (script ended)", rows
+        assert {"gpu_checks/logs/test_overrun.log", "gpu_checks/summary.md"} <= archive_names(tmp_path / "out")
+    finally:
+        kill_script(script)
+        for pid in processes_with(token.encode()):
+            os.kill(pid, signal.SIGKILL)
