@@ -22,6 +22,7 @@ from torchvision.ops import misc as tv_misc
 
 from utils.checkpoint import best_weights, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
+from utils.distributed_utils import use_channels_last
 from utils.errors import UserError
 
 # Your own model: name -> constructor called as constructor(num_classes=N), returning an
@@ -299,7 +300,7 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
             print(f"freeze_layers: only the head '{head}' trains ({trained} parameters); "
                   "BatchNorm statistics are frozen")
     model.to(device)
-    if model_cfg.channels_last and device.type == "cuda":
+    if use_channels_last(model_cfg.channels_last, device):
         model.to(memory_format=torch.channels_last)
     if img_size:
         _probe(model, model_cfg.name, img_size, device)
