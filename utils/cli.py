@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 
-from utils.distributed_utils import _restart_store, cleanup
+from utils.distributed_utils import restart_store, cleanup
 from utils.errors import UserError, one_line
 
 # How long a rank other than 0 waits for rank 0 to print an error they share; past it, it prints the
@@ -58,7 +58,7 @@ def print_error(e):
         print(line, file=sys.stderr, flush=True)
         return
     try:
-        store = _restart_store(int(os.environ.get("WORLD_SIZE", "1")),
+        store = restart_store(int(os.environ.get("WORLD_SIZE", "1")),
                                datetime.timedelta(seconds=SHARED_ERROR_WAIT_S))  # None outside torchrun
     except RuntimeError:  # torchrun's store unreachable: no way to agree, so no rank stays silent
         store, rank = None, "0"

@@ -90,7 +90,7 @@ def use_device(device):
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
 
 
-def _restart_store(world_size, timeout):
+def restart_store(world_size, timeout):
     """Under torchrun, the agent's store with a key space of its own for each restart attempt.
 
     torchrun keeps one store for the whole job; after `--max-restarts` restarts
@@ -168,7 +168,7 @@ def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto"):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
     kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
-    store = _restart_store(world_size, timeout)
+    store = restart_store(world_size, timeout)
     if store is not None:
         kwargs["store"] = store
     _join(kwargs, dev, rank)
