@@ -5,22 +5,14 @@ import yaml
 from omegaconf import OmegaConf
 
 from conftest import REPO
-from utils.config import CLASSIC_FLAGS, Config
+from utils.config import CLASSIC_FLAGS, Config, flatten
 
 README = (REPO / "README.md").read_text()
 DOCS = {p.name: p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
 MANUAL = {"README.md": README, **DOCS}
 
 
-def _schema_keys(node, prefix=""):
-    for key, value in node.items():
-        if isinstance(value, dict):
-            yield from _schema_keys(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}"
-
-
-KEYS = set(_schema_keys(OmegaConf.to_container(OmegaConf.structured(Config))))
+KEYS = set(flatten(OmegaConf.to_container(OmegaConf.structured(Config))))
 
 
 def test_readme_is_a_guide_of_at_most_12_kb():
