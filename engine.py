@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -133,10 +134,30 @@ def _forward_backward(step, images, targets, stepping):
     # DDP's no_sync: the non-final micro-batches only add to the local gradients.
     with no_sync() if no_sync is not None and not stepping else contextlib.nullcontext():
         with torch.autocast(step.device.type, dtype=step.amp_dtype, enabled=step.amp_dtype is not None):
-            loss = step.criterion(step.model(images), targets)
+            try:
+                loss = step.criterion(step.model(images), targets)
+            except RuntimeError as e:
+                raise _unused_parameters_error(e, step.model) or e
         # The summed micro-batch gradients then equal one batch of accum_steps x batch_size.
         step.scaler.scale(loss / step.accum_steps if step.accum_steps > 1 else loss).backward()
     return loss.detach().double()
+
+
+def _unused_parameters_error(e, model):
+    """DDP's "Expected to have finished reduction in the prior iteration" (a forward that left some
+    parameters out of the loss) as one error line naming the key and the parameters; None for any
+    other error. Every rank raises it, at the step after the one that skipped them."""
+    text = str(e)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    # torch names their indices among the module's trained parameters (names only under DETAIL).
+    found = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)", text)
+    trained = [name for name, p in ckpt.unwrap(model).named_parameters() if p.requires_grad]
+    names = [trained[int(i)] for i in found.group(1).split() if int(i) < len(trained)] if found else []
+    which = f" ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})" if names else ""
+    return UserError(f"DDP found parameters that took no part in the loss{which}; a model that skips some on "
+                     "purpose needs ddp.find_unused_parameters=true (see docs/troubleshooting.md)",
+                     exit_code=RUNTIME_EXIT, every_rank=True)
 
 
 def _optimizer_step(step, window):

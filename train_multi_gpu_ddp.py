@@ -30,7 +30,7 @@ def main(argv=None):
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
     # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo; without torchrun, a group of one --
-    dist_info = init_distributed_mode(cfg.train.device, backend=cfg.ddp.backend)
+    dist_info = init_distributed_mode(cfg.train.device, timeout_minutes=cfg.ddp.timeout_minutes, backend=cfg.ddp.backend)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
 

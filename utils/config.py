@@ -12,6 +12,7 @@ unknown key, a value of the wrong type or a key without a default stops with
 one line that names it.
 """
 import difflib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -99,6 +100,8 @@ class DDPConfig:
     gradient_as_bucket_view: bool = MISSING
     static_graph: bool = MISSING
     broadcast_buffers: bool = MISSING
+    find_unused_parameters: bool = MISSING
+    timeout_minutes: float = MISSING
 
 
 @dataclass
@@ -160,6 +163,9 @@ def build_arg_parser(description=""):
         p.add_argument(flag, dest=key.replace(".", "__"), metavar="VALUE", help=f"sets {key}")
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the --resume checkpoint (or --weights) and write eval.json; no training")
+    # torch.distributed.launch (the launcher before torchrun) passes --local-rank=N, or --local_rank=N.
+    p.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, metavar="N",
+                   help="accepted from torch.distributed.launch; torchrun sets LOCAL_RANK instead")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     return p
 
@@ -233,6 +239,8 @@ def _check_ranges(cfg):
         bad("data.cache_size", f"{cfg.data.cache_size}; 0 (auto) or at least data.img_size")
     if cfg.ddp.bucket_cap_mb < 1:
         bad("ddp.bucket_cap_mb", "must be at least 1")
+    if not cfg.ddp.timeout_minutes > 0:
+        bad("ddp.timeout_minutes", f"{cfg.ddp.timeout_minutes}; must be more than 0")
     if cfg.train.keep_last < 0:
         bad("train.keep_last", "must be 0 or more")
     if cfg.train.worst_images < 0:
@@ -269,6 +277,15 @@ def _check_ranges(cfg):
         check(cfg)
 
 
+def _take_local_rank(local_rank):
+    """--local-rank N: the old launcher's way of naming this process's GPU. LOCAL_RANK from the
+    environment (which that launcher sets too, as torchrun does) wins; else it becomes LOCAL_RANK."""
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if os.environ.get("RANK", "0") == "0":
+        print("note: --local-rank is torch.distributed.launch's; torchrun is the launcher to use "
+              "(it passes LOCAL_RANK in the environment)", flush=True)
+
+
 def load_config(argv=None, description=""):
     """Parse argv into a validated, read-only DictConfig.
 
@@ -298,6 +315,8 @@ def _load_config(argv, description):
         dotlist.append(item)
     if args.eval_only:
         dotlist.append("eval_only=true")
+    if args.local_rank is not None:
+        _take_local_rank(args.local_rank)
     try:
         layers = [schema, OmegaConf.create(_load_yaml(DEFAULT_CONFIG))]
         if args.config:

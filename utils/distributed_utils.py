@@ -129,6 +129,7 @@ def ddp_kwargs(ddp_cfg):
     buffers out of DDP's initial sync, which is harmless here: every rank builds the same buffers."""
     kwargs = dict(ddp_cfg)
     kwargs.pop("backend")
+    kwargs.pop("timeout_minutes", None)  # the process group's too (init_distributed_mode)
     renamed = "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
     kwargs["forward_sync_buffers" if renamed else "broadcast_buffers"] = kwargs.pop("broadcast_buffers")
     return kwargs
