@@ -4,6 +4,7 @@
 
 nan:RANK:STEP   on rank RANK, the training loss of the STEP-th step (0-based, counted over the
                 whole process) and of every later one is NaN, as an overflow would make it.
+stop:RANK:STEP  on the first attempt, rank RANK stops (SIGSTOP) at its STEP-th step (0-based).
 
 The fault is a monkeypatch made before the script runs, so the product code has
 no test hooks; everything else is the real script under the real launcher.
@@ -34,11 +35,30 @@ def inject_nan(rank, step):
     engine.Criterion.__call__ = criterion
 
 
+def inject_stop(rank, step):
+    """The first attempt's rank RANK stops itself (SIGSTOP) before its STEP-th training step: a rank
+    that stops answering, as on a hung filesystem. A torchrun restart runs on unharmed."""
+    import signal
+    import engine
+    real = engine.Criterion.__call__
+    calls = {"train": 0}
+
+    def criterion(self, logits, targets):
+        calls["train"] += 1
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and int(os.environ.get("RANK", "0")) == rank and calls["train"] == step + 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, logits, targets)
+
+    engine.Criterion.__call__ = criterion
+
+
 if __name__ == "__main__":
     fault, script, *args = sys.argv[1:]
     kind, *params = fault.split(":")
-    if kind != "nan":
+    faults = {"nan": inject_nan, "stop": inject_stop}
+    if kind not in faults:
         sys.exit(f"unknown fault {fault!r}")
-    inject_nan(*map(int, params))
+    faults[kind](*map(int, params))
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

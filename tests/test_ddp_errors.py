@@ -1,11 +1,17 @@
-"""When DDP refuses: a model with an unused branch, and the old launcher's --local-rank.
+"""When DDP hangs or refuses: a rank that stops answering, a model with an unused branch, and the
+old launcher's --local-rank.
 
     python -m pytest tests/test_ddp_errors.py -q
 
 The unused branch is a MODELS entry registered by tests/_unused_branch.py before the real
 train_multi_gpu_ddp.py runs under torchrun with 2 gloo processes.
 """
+import json
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -15,15 +21,50 @@ from utils.config import load_config
 pytestmark = pytest.mark.slow
 
 
-def ddp_unused_branch(data, out, *extra):
-    """train_multi_gpu_ddp.py on the unused_branch model, 2 gloo processes, through tests/_unused_branch.py."""
-    import subprocess
-    import sys
+def torchrun(*args, timeout=300):
+    """torchrun with 2 gloo processes on localhost; args: torchrun's options, then the script and its own."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(REPO / "tests" / "_unused_branch.py"), "train_multi_gpu_ddp.py",
-           *FAST_ARGS, "model.name=unused_branch", "--data-path", data, "--output-dir", out, *extra]
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
+           f"--master_port={free_port()}", *args]
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def ddp_unused_branch(data, out, *extra):
+    """train_multi_gpu_ddp.py on the unused_branch model, through tests/_unused_branch.py."""
+    return torchrun(REPO / "tests" / "_unused_branch.py", "train_multi_gpu_ddp.py", *FAST_ARGS,
+                    "model.name=unused_branch", "--data-path", data, "--output-dir", out, *extra)
+
+
+def test_a_stopped_rank_ends_the_job_in_its_timeout_and_the_restart_finishes(image_root, tmp_path):
+    """Rank 1 stops (SIGSTOP) in epoch 2 of 3. Within ddp.timeout_minutes (12 s) rank 0 gives up with one
+    line naming the timeout; torchrun --max-restarts=1 kills the stopped worker and restarts, the run
+    resumes from last.pt and finishes: every epoch once in metrics.jsonl, no worker left behind."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    r = torchrun("--max-restarts=1", REPO / "tests" / "_faults.py", "stop:1:4", "train_multi_gpu_ddp.py",
+                 *FAST_ARGS, "train.epochs=3", "ddp.timeout_minutes=0.2", "--data-path", image_root,
+                 "--output-dir", out, "--resume", "auto", timeout=200)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: a collective waited 0.2 min (ddp.timeout_minutes)")
+    assert "resumed from" in log and "Traceback" not in r.stdout
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    # Within the bound: the timeout, torchrun's 30 s SIGTERM grace for the stopped worker, two start-ups.
+    assert time.monotonic() - start < 150
+    assert not processes_naming(out), "processes of the job still running"
+
+
+def processes_naming(text):
+    """pids whose command line holds `text` (read from /proc, as pgrep -f would)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(text).encode() in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:  # the process ended meanwhile
+            pass
+    return found
 
 
 def test_an_unused_branch_stops_in_one_line_naming_the_key_and_trains_with_it(image_root, tmp_path):
@@ -37,9 +78,9 @@ def test_an_unused_branch_stops_in_one_line_naming_the_key_and_trains_with_it(im
     assert (tmp_path / "trained" / "checkpoints" / "last.pt").is_file()
 
 
-@pytest.mark.parametrize("flag", [["--local-rank=0"], ["--local_rank", "0"]])
-def test_the_old_launchers_local_rank_trains_with_a_note(flag, image_root, tmp_path):
-    r = run_entry("train_multi_gpu_ddp.py", *flag, *FAST_ARGS, "--data-path", image_root,
+def test_the_old_launchers_local_rank_trains_with_a_note(image_root, tmp_path):
+    """--local-rank=0 end to end; the --local_rank spelling is parsed below."""
+    r = run_entry("train_multi_gpu_ddp.py", "--local-rank=0", *FAST_ARGS, "--data-path", image_root,
                   "--output-dir", tmp_path / "run")
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert r.stdout.count("note: --local-rank is torch.distributed.launch's; torchrun is the launcher to use") == 1

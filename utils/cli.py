@@ -6,11 +6,12 @@ import argparse
 import datetime
 import functools
 import os
+import re
 import sys
 import traceback
 
 from utils.distributed_utils import restart_store, cleanup
-from utils.errors import UserError, one_line
+from utils.errors import RUNTIME_EXIT, UserError, one_line
 
 # How long a rank other than 0 waits for rank 0 to print an error they share; past it, it prints the
 # line itself (rank 0 hung or lost), late rather than never.
@@ -37,12 +38,40 @@ def cli_entry(main):
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        except RuntimeError as e:
+            timeout = collective_timeout(e)
+            if timeout is None:
+                raise
+            if debug_enabled():
+                traceback.print_exc()
+            print_error(timeout)  # by each rank that waited: the stuck one cannot
+            sys.exit(timeout.exit_code)
         finally:
             # However main ends, leave no process group behind (a no-op outside DDP), so a
             # script's main() can also be called twice in one process, as the tests do.
             cleanup()
 
     return wrapper
+
+
+# gloo's "Timed out waiting 1800000ms for recv operation to complete", NCCL's watchdog message.
+_TIMEOUT = re.compile(r"Timed out waiting (\d+) ?ms for \w+ operation|Watchdog caught collective operation timeout")
+
+
+def collective_timeout(e):
+    """A collective that waited past the process group's timeout (ddp.timeout_minutes) as a UserError
+    naming the timeout, the rank waited for where torch says, and the likely causes; else None."""
+    text = str(e)
+    found = _TIMEOUT.search(text)
+    if not found:
+        return None
+    waited = f" {int(found.group(1)) / 60000:g} min" if found.group(1) else ""
+    peer = re.search(r"\brank[ :=]+(\d+)", text)
+    return UserError(f"a collective waited{waited} (ddp.timeout_minutes) for "
+                     f"{'rank ' + peer.group(1) if peer else 'a rank'} that did not answer: a rank stopped or "
+                     "hung (a stuck filesystem, a lost node), broken GPU peer-to-peer (NCCL_P2P_DISABLE=1), "
+                     "too little shared memory for the loaders, or a collective that only some ranks run; check "
+                     "with tools/ddp_check.py, see docs/troubleshooting.md", exit_code=RUNTIME_EXIT)
 
 
 def print_error(e):
