@@ -160,12 +160,11 @@ def _unused_parameters_error(e, model):
                      exit_code=RUNTIME_EXIT, every_rank=True)
 
 
-def _optimizer_step(step, window):
-    """Clip (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
+def _optimizer_step(step, window, clipped):
+    """Clip `clipped` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
     if step.clip_grad_norm:
         step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the loss-scaled ones
-        params = [p for g in step.optimizer.param_groups for p in g["params"]]
-        window.add_norm(torch.nn.utils.clip_grad_norm_(params, step.clip_grad_norm).double())  # no sync
+        window.add_norm(torch.nn.utils.clip_grad_norm_(clipped, step.clip_grad_norm).double())  # no sync
     step.scaler.step(step.optimizer)
     step.scaler.update()
     step.scheduler.step()
@@ -218,21 +217,15 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     logger = hooks.logger or RunLogger(".", enabled=False)
     step.model.train()
     used = len(loader) // step.accum_steps * step.accum_steps  # batches that make whole optimizer steps
-    loss_sum = torch.zeros((), device=step.device, dtype=torch.float64)  # over the epoch's images
-    batches, skip, images_seen = iter(loader), 0, 0
-    if resume is not None:
-        # Draw and drop the batches already trained: the sampler order and the augmentation's
-        # random draws then continue exactly as in the interrupted run (no forward/backward).
-        skip, images_seen = resume["epoch_step"], resume["images_seen"]
-        for _ in range(skip):
-            next(batches)
-        loss_sum += resume["loss_sum"]
-        ckpt.set_rng_state(resume["rng"])
+    batches = iter(loader)
+    skip, images_seen, resumed_loss = _skip_trained(batches, resume)
+    loss_sum = torch.full((), resumed_loss, device=step.device, dtype=torch.float64)  # over the epoch's images
     next_save = (global_step // hooks.save_every + 1) * hooks.save_every if hooks.save_every else None
     start = time.perf_counter()
     window = _Window(step.device, start)
     label = f"epoch {epoch + 1}" + (f"/{hooks.epochs}" if hooks.epochs else "")
     step.optimizer.zero_grad(set_to_none=True)
+    clipped = [p for g in step.optimizer.param_groups for p in g["params"]] if step.clip_grad_norm else []
     # islice: a tail that makes no whole step is not even loaded.
     bar = logger.progress(itertools.islice(batches, used - skip), used - skip, f"{label} train")
     for i, (images, labels) in enumerate(bar, start=skip):
@@ -247,7 +240,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         window.add_batch(loss, labels.shape[0], global_step)
         if not stepping:
             continue
-        _optimizer_step(step, window)
+        _optimizer_step(step, window, clipped)
         window.steps += 1
         global_step += 1
         last = i == used - 1
@@ -271,6 +264,18 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     return {"train_loss": epoch_totals["loss"] / epoch_totals["images"],
             "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
             "train_seconds": seconds, "global_step": global_step}
+
+
+def _skip_trained(batches, resume):
+    """A mid-epoch resume: draw and drop the batches already trained, so that the sampler order and
+    the augmentation's random draws continue exactly as in the interrupted run (no forward/backward).
+    Returns (batches skipped, images seen, their loss sum); nothing to skip without `resume`."""
+    if resume is None:
+        return 0, 0, 0.0
+    for _ in range(resume["epoch_step"]):
+        next(batches)
+    ckpt.set_rng_state(resume["rng"])
+    return resume["epoch_step"], resume["images_seen"], resume["loss_sum"]
 
 
 def _stop_requested(hooks):

@@ -6,7 +6,7 @@
 
 For several GPUs see train_multi_gpu_ddp.py (recommended) and train_multi_gpu_dp.py.
 Only the device, the model wrapping and the sampler are set here; the loop,
-checkpoints, logging and config live in data.py, model.py and utils/.
+checkpoints, logging and config live in data.py, model.py, engine.py and utils/.
 """
 import sys
 

@@ -30,7 +30,8 @@ def main(argv=None):
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
     # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo; without torchrun, a group of one --
-    dist_info = init_distributed_mode(cfg.train.device, timeout_minutes=cfg.ddp.timeout_minutes, backend=cfg.ddp.backend)
+    dist_info = init_distributed_mode(cfg.train.device, timeout_minutes=cfg.ddp.timeout_minutes,
+                                      backend=cfg.ddp.backend)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
 
@@ -47,7 +48,7 @@ def main(argv=None):
     model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size)
     sync_bn = sync_bn_wanted(model, cfg.model.sync_bn, verbose=rank == 0)  # not where no BatchNorm trains
     model = convert_sync_bn(model, sync_bn, device, verbose=rank == 0)
-    # cfg.ddp less its backend: bucket size, gradient_as_bucket_view, static_graph (benchmarks/benchmark.py compares them).
+    # cfg.ddp less the process group's keys: buckets, broadcast_buffers, find_unused_parameters... (configs/default.yaml).
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs(cfg.ddp))
 
     return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="ddp")  # cli_entry cleans up

@@ -1,8 +1,8 @@
 """Process-group setup and the few collectives the template needs.
 
-torchrun (and srun) describe each process through the environment; there is
-no --local_rank argument. Rule used everywhere: every rank calls every
-collective; only the side effects (files, prints, bars) are rank-0 guarded.
+torchrun (and srun) describe each process through the environment (the old
+launcher's --local-rank becomes LOCAL_RANK in utils/config.py). Rule used everywhere:
+every rank calls every collective; only the side effects (files, prints, bars) are rank-0 guarded.
 """
 import datetime
 import inspect
