@@ -6,6 +6,7 @@ files always hold a valid table of what is finished (what a time limit would lea
     python -m pytest tests/test_benchmarks.py -q
 """
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,7 +29,6 @@ def run_watching(out_dir, stem, *args, timeout=600):
     time limit would have left, had it stopped the tool at that moment. A json that does not
     parse (a half-written file) is kept as None.
     """
-    import os
     logs = out_dir / "tool-output"
     logs.mkdir(parents=True, exist_ok=True)
     texts = {"json": [], "md": []}
@@ -119,3 +119,27 @@ def test_scaling_quick_runs_single_and_ddp_over_gloo(tmp_path):
     assert "| ddp | 2 | 16 |" in (tmp_path / "scaling.md").read_text()
     with Image.open(tmp_path / "scaling.png") as png:
         assert png.size == (720, 420) and len(png.getcolors(1 << 16)) > 3
+
+
+def test_loader_benchmark_quick_times_both_loaders_on_the_same_files(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/loader.py", "--quick", "--repeats", "2", "--out-dir",
+                        str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **ENV})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "loader.json").read_text())
+    assert list(res["sets"]) == ["flowers", "photos"] and res["meta"]["workers"] >= 1
+    for name, files, batch in (("flowers", 20, 8), ("photos", 10, 4)):
+        s = res["sets"][name]
+        assert s["files"] == files and s["batch_size"] == batch, s
+        for kind in ("template", "reference"):
+            assert len(s[kind]["runs"]) == 2 and min(s[kind]["runs"]) > 0
+            assert s[kind]["shape"] == [batch, 3, 32, 32], (kind, s[kind])
+        # The ratio is the median of pairs run back to back in this invocation, not of two medians.
+        pairs = [t / ref for t, ref in zip(s["template"]["runs"], s["reference"]["runs"])]
+        assert s["pair_ratios"] == pytest.approx(pairs) and s["ratio"] == pytest.approx(sum(pairs) / 2)
+        assert s["goal_met"] == (s["ratio"] >= s["goal"])
+        assert f"| {name} | {files} | {batch} |" in r.stdout
+    with Image.open(next((tmp_path / "data" / "tiny_photos" / "daisy").glob("*.jpg"))) as photo:
+        assert photo.size == (400, 300) and photo.format == "JPEG"
+    md = (tmp_path / "loader.md").read_text()
+    assert r.stdout.rstrip().endswith(md.strip().splitlines()[-1])  # the table is printed last
