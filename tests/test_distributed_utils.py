@@ -7,6 +7,8 @@ Launch environment (torchrun and SLURM variables) and SyncBN conversion as the
 DDP script does it. (That no collective sits under a rank guard is checked over the
 whole code base in tests/test_code_rules.py.)
 """
+import socket
+
 import pytest
 import torch
 from torch import nn
@@ -15,7 +17,7 @@ from model import create_model
 from utils import distributed_utils as du
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-               "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT")
+               "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "USE_LIBUV")
 
 
 @pytest.fixture
@@ -50,6 +52,69 @@ def test_init_distributed_mode_under_slurm(env):
     assert info.distributed and info.device == torch.device("cpu")
     assert (joined["backend"], joined["rank"], joined["world_size"]) == ("gloo", 3, 8)
     assert du.os.environ["MASTER_ADDR"] == "127.0.0.1" and du.os.environ["MASTER_PORT"] == "29500"
+
+
+WINDOWS_WHEEL_ERROR = "use_libuv was requested but PyTorch was build without libuv support"
+
+
+def test_the_store_follows_use_libuv_else_the_build(env):
+    """The Windows wheels have no libuv, and torch >= 2.4 asks for it by default: decide once, with
+    USE_LIBUV from the environment winning, and leave USE_LIBUV=0 behind for env:// rendezvous."""
+    def probe_must_not_run():
+        raise AssertionError("USE_LIBUV was set: no probe")
+    for value, expected in (("0", False), ("1", True)):
+        environ = {"USE_LIBUV": value}
+        assert du.store_libuv(environ, probe_must_not_run) is expected and environ == {"USE_LIBUV": value}
+    environ = {}
+    assert du.store_libuv(environ, lambda: False) is False and environ == {"USE_LIBUV": "0"}
+    for has in (True, None):  # a build with libuv, or a torch without the switch: nothing to set
+        environ = {}
+        assert du.store_libuv(environ, lambda: has) is bool(has) and environ == {}
+
+
+def test_has_libuv_reads_the_builds_error(env):
+    assert du.has_libuv() is True  # the Linux wheels have it
+
+    def windows_wheel(*args, **kwargs):
+        raise RuntimeError(WINDOWS_WHEEL_ERROR)
+
+    def before_the_switch(*args, use_libuv=None, **kwargs):
+        raise TypeError("__init__(): incompatible constructor arguments")
+    env.setattr(du.dist, "TCPStore", windows_wheel)
+    assert du.has_libuv() is False
+    env.setattr(du.dist, "TCPStore", before_the_switch)
+    assert du.has_libuv() is None
+
+
+def test_a_build_without_libuv_joins_over_the_plain_store(env):
+    """A launch from the environment (RANK, MASTER_PORT...) on a build without libuv: the process group
+    forms over the plain TCPStore; with libuv's default the Windows wheel raises the error above."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        env.setenv(name, value)
+    env.setattr(du, "has_libuv", lambda: False)
+    try:
+        du.init_distributed_mode("cpu")
+        store = du.dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        assert du.os.environ["USE_LIBUV"] == "0" and store.libuvBackend is False
+    finally:
+        du.cleanup()
+
+
+def test_the_restart_store_follows_use_libuv(env):
+    """Under torchrun the project opens the agent's store itself (restart_store): the same choice."""
+    opened = []
+    env.setattr(du.dist, "TCPStore", lambda *args, **kwargs: opened.append(kwargs) or du.dist.HashStore())
+    for name, value in {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "USE_LIBUV": "0"}.items():
+        env.setenv(name, value)
+    assert du.restart_store(2, None) is not None
+    assert opened[-1]["use_libuv"] is False
 
 
 def test_no_launcher_means_a_group_of_one_process(env, capsys):

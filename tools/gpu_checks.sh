@@ -28,6 +28,9 @@
 #   test_<file>        pytest -m gpu, one call per test file with GPU tests, so that one slow file cannot
 #                      starve the others; no -x: every test gets its chance. Each writes junit-<file>.xml
 #                      (also when stopped by its limit: SIGTERM ends the pytest session cleanly)
+#   ddp_check          tools/ddp_check.py under torchrun, one process per visible GPU (2 gloo processes on
+#                      a CPU): NCCL group, all-reduce, bus bandwidth, /dev/shm, variables; the GPU-pair
+#                      check needs 2 or more GPUs and says skip on one
 #   benchmark          benchmarks/benchmark.py: ResNet34, batch 128, bf16, channels_last, 224 px: ceiling,
 #                      end to end with data.pipeline=pil and gpu, DDP world-size-1 ratio, CPU bare-loop ratio
 #   scaling            benchmarks/scaling.py --pipeline gpu: single / DP / DDP on every visible GPU
@@ -81,8 +84,8 @@ TSV=$WORK/steps.tsv
 # counted in the tests and tools. For ResNet34, 224 px, batch 128, bf16, channels_last on one H200
 # (~790 bf16 TFLOP/s dense; ResNets reach far less, BatchNorm and ReLU being memory-bound): 22 GFLOP an
 # image for forward + backward, 2.8 TFLOP a step, taken as ~20-30 ms a step (~4,000-6,500 img/s).
-# Expected (not limits), in order: setup 3 + tests ~235 (70 + 110 + 20 + 10 + 25) + benchmark ~130 +
-# scaling ~65 = ~430 s, which leaves benchmark_compile ~110 s of TOTAL; where the GPU runs slower than
+# Expected (not limits), in order: setup 3 + tests ~235 (70 + 110 + 20 + 10 + 25) + ddp_check ~15 +
+# benchmark ~130 + scaling ~65 = ~445 s, which leaves benchmark_compile ~95 s of TOTAL; where the GPU runs slower than
 # reasoned, the last steps get less, and summary.md says what they did not finish. A limit bounds a hung
 # step; TOTAL cuts any step's limit to what is left of the whole, so the script ends within TOTAL +
 # GRACE + a few seconds of packing (~560 s), inside a 600 s device call (30 s more only if a process
@@ -108,6 +111,8 @@ L_OPTIM=${L_OPTIM:-40}     # 3-11 s (its GPU tests skip) -> 30; reasoned +10: CU
 L_OTHER=${L_OTHER:-40}     # any other file with GPU tests, now test_parallel_semantics: 4-7 s -> 20;
                            # reasoned +20: a torchrun of 2 gloo ranks sharing GPU 0 (3 Python starts, CUDA
                            # start-up, ResNet34 built on the GPU, SyncBN over 4 samples): ~25 s
+L_DDP_CHECK=${L_DDP_CHECK:-40}  # QUICK=1 (2 gloo processes, load 4): 9 s -> 20; reasoned +20: CUDA and NCCL
+                           # start-up per process, the bandwidth sizes (1, 16, 64 MB) in well under 1 s
 L_BENCH=${L_BENCH:-200}    # quick sizes: 16-34 s -> 70, a floor only: the rehearsal does none of the
                            # full-size work. Counted from benchmark.py's defaults (50 steps, 5 repeats,
                            # 3 epochs), reasoned on one H200: start-up and CUDA ~10 s; (a) ceiling, warm-up
@@ -403,7 +408,7 @@ else
 fi
 KNOWN=(setup data)
 for f in "${TEST_FILES[@]}"; do KNOWN+=("$(basename "$f" .py)"); done
-KNOWN+=(benchmark scaling benchmark_compile)
+KNOWN+=(ddp_check benchmark scaling benchmark_compile)
 DEFAULT_STEPS="${KNOWN[*]}"
 [ -n "$QUICK" ] && DEFAULT_STEPS=${DEFAULT_STEPS% benchmark_compile}  # no compiler run on a CPU rehearsal
 read -ra SEL <<< "${STEPS:-$DEFAULT_STEPS}"
@@ -527,6 +532,10 @@ if [ -n "$DATA_PID" ]; then
     echo "== data: exit $rc in ${secs} s (beside the tests)"; tail -n 3 "$R/logs/data.log"
     report
 fi
+# One process per GPU, as a user would launch it; a CPU rehearsal takes 2 gloo processes.
+NPROC=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+wanted ddp_check && step ddp_check "$L_DDP_CHECK" "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node="$NPROC" tools/ddp_check.py
 wanted benchmark && step benchmark "$L_BENCH" "$PY" benchmarks/benchmark.py $Q --out-dir "$WORK/bench"
 wanted scaling && step scaling "$L_SCALING" "$PY" benchmarks/scaling.py $Q --pipeline gpu --timeout "$ROW_LIMIT" \
     --out-dir "$WORK/scaling"

@@ -90,6 +90,34 @@ def use_device(device):
         torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
 
 
+def store_libuv(environ, probe):
+    """Whether this process's TCPStores use libuv (torch >= 2.4 defaults to it), deciding once:
+    USE_LIBUV from the environment wins; else libuv where this build has it. `probe()` says whether
+    it has it (True/False), or None where this torch has no use_libuv switch at all. When the build
+    lacks it, USE_LIBUV=0 is set in `environ`, which env:// rendezvous (init_process_group) reads."""
+    if "USE_LIBUV" in environ:
+        return environ["USE_LIBUV"] == "1"
+    has = probe()
+    if has is False:
+        environ["USE_LIBUV"] = "0"
+    return bool(has)
+
+
+def has_libuv():
+    """Open (and close) a listening TCPStore with libuv: False where the build lacks it, None where
+    this torch predates the switch. Costs one local socket."""
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    except TypeError:  # no use_libuv parameter
+        return None
+    except RuntimeError as e:
+        if "without libuv" in str(e):  # "use_libuv was requested but PyTorch was build without libuv support"
+            return False
+        raise
+    del store
+    return True
+
+
 def restart_store(world_size, timeout):
     """Under torchrun, the agent's store with a key space of its own for each restart attempt.
 
@@ -101,8 +129,9 @@ def restart_store(world_size, timeout):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    libuv = {"use_libuv": os.environ["USE_LIBUV"] == "1"} if "USE_LIBUV" in os.environ else {}
     agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                is_master=False, timeout=timeout)
+                                is_master=False, timeout=timeout, **libuv)
     return dist.PrefixStore(f"train_template/attempt_{attempt}", agent_store)
 
 
@@ -169,6 +198,7 @@ def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto"):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
     kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    store_libuv(os.environ, has_libuv)  # the Windows wheels have no libuv: the plain TCPStore then
     store = restart_store(world_size, timeout)
     if store is not None:
         kwargs["store"] = store
