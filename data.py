@@ -18,7 +18,9 @@ and data.verify=true decodes every image once before training.
 """
 import enum
 import functools
+import itertools
 import os
+import random
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+# The numpy seed torch's worker loop gives a fresh worker (private, unchanged since torch 1.9).
+from torch.utils.data._utils.worker import _generate_state
 from torchvision import transforms
 
 from utils.config import config_to_dict, load_config
@@ -266,8 +270,42 @@ class BadStatus(enum.IntEnum):
     REPORTED = 2    # failed to decode, and rank 0 has warned about it
 
 
+class SampleList:
+    """(path, label) pairs packed into three numpy arrays: every path's bytes end to end, where each
+    starts, and the labels. Indexing and iterating give (path, label) tuples, as the list did.
+
+    A Python list of tuples is two objects per image, and a forked DataLoader worker that merely
+    reads one writes its reference count, so every worker slowly copies the whole list
+    (pytorch/pytorch#13246): gigabytes at a million images, 8 workers and 8 ranks. Three arrays
+    are three objects, and reading them writes nothing (BENCHMARKS.md measures both)."""
+
+    def __init__(self, samples=()):
+        encoded, labels = [], []
+        for path, label in samples:
+            encoded.append(os.fsencode(path))  # fsencode: a name that is not valid UTF-8 round-trips
+            labels.append(label)
+        self.paths = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in encoded], out=self.offsets[1:])
+        self.labels = np.array(labels, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        index %= len(self)
+        start, end = self.offsets[index], self.offsets[index + 1]
+        return os.fsdecode(self.paths[start:end].tobytes()), int(self.labels[index])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
 class ImageList(Dataset):
-    """(path, label) pairs -> (tensor, label); any image mode becomes RGB.
+    """(path, label) pairs -> (tensor, label); any image mode becomes RGB. The pairs are kept as
+    a SampleList (`samples`), which forked workers read without copying it.
 
     An unreadable image is replaced by the next readable one (same index ->
     same substitute, so batch sizes, step counts and DDP shards stay equal),
@@ -279,7 +317,7 @@ class ImageList(Dataset):
     """
 
     def __init__(self, samples, transform=None, bad_image="warn", max_pixels=0, known_bad=0):
-        self.samples = samples
+        self.samples = samples if isinstance(samples, SampleList) else SampleList(samples)
         self.transform = transform
         self.bad_image = bad_image
         self.max_pixels = max_pixels
@@ -293,7 +331,7 @@ class ImageList(Dataset):
     @property
     def targets(self):
         """The class index of every sample (torchvision's name for it, as in ImageFolder)."""
-        return [label for _, label in self.samples]
+        return self.samples.labels.tolist()
 
     def __getitem__(self, index):
         n = len(self.samples)
@@ -316,6 +354,11 @@ class ImageList(Dataset):
                 img = self.transform(img)
             return img, label
         raise UserError(f"none of the {n} images could be read (see the warnings above)", RUNTIME_EXIT)
+
+    def __getitems__(self, indices):
+        """One batch, as DataLoader's workers fetch it; a persistent worker reseeds at an epoch's first."""
+        reseed_worker(self, indices)
+        return [self[i] for i in indices]
 
     def sync_bad_images(self):
         """The number of unreadable files found so far, over all ranks and loader workers.
@@ -506,9 +549,8 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
         return GpuLoader(dataset, batch_size, sampler, data_cfg, device, train, workers=workers,
                          channels_last=use_channels_last(channels_last, device), verbose=is_main_process(),
                          procs_per_node=procs_per_node)
-    # No persistent_workers: workers take their seeds when an epoch starts, so a per-epoch
-    # reseed of `generator` only reaches fresh workers (it keeps resumed runs exact).
-    return DataLoader(
+    persistent = data_cfg.persistent_workers and workers > 0
+    return (PersistentLoader if persistent else DataLoader)(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         pin_memory=data_cfg.pin_memory and device.type == "cuda",
         # A last training batch of one image would break BatchNorm; dropping it costs < 1 batch per epoch.
@@ -516,4 +558,66 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
         # Re-seeded every epoch by the loop, so augmentation is reproducible and resumable.
         generator=torch.Generator(),
         prefetch_factor=4 if workers > 0 else None,
+        persistent_workers=persistent,
     )
+
+
+class SeededBatch(list):
+    """A batch of dataset indices, with the (iteration, base seed) of the epoch it belongs to."""
+
+    def __init__(self, indices, epoch):
+        super().__init__(indices)
+        self.epoch = epoch
+
+
+class _EpochSeededBatches:
+    """The loader's batches, each tagged with its epoch's (iteration, base seed)."""
+
+    def __init__(self, batch_sampler):
+        self.batch_sampler, self.epoch = batch_sampler, None
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+    def __iter__(self):
+        epoch = self.epoch
+        return (SeededBatch(batch, epoch) for batch in self.batch_sampler)
+
+
+class PersistentLoader(DataLoader):
+    """A DataLoader whose workers live across epochs (persistent_workers) and still take each
+    epoch's seeds as fresh workers would: reseeding loader.generator before an epoch fixes that
+    epoch's augmentation, and a resumed run (its workers fresh) sees the same draws.
+
+    Each iteration draws a base seed from loader.generator, as a fresh iterator draws its fresh
+    workers' seeds, and every batch carries it (SeededBatch). A worker reseeds at the first batch
+    of a new epoch it meets, in task order, so batches of an epoch that were prefetched but never
+    taken (accum_steps' tail) still run on the old seeds. The dataset does it in __getitems__
+    (ImageList, with reseed_worker); a dataset without one would keep one stream for all epochs."""
+
+    def __iter__(self):
+        seeded = self._index_sampler
+        iteration = seeded.epoch[0] + 1 if seeded.epoch else 0
+        seeded.epoch = (iteration, int(torch.empty((), dtype=torch.int64).random_(generator=self.generator)))
+        return super().__iter__()
+
+    @property
+    def _index_sampler(self):
+        # DataLoader's iterators take their batches from this (private) property.
+        if "_seeded" not in self.__dict__:
+            self.__dict__["_seeded"] = _EpochSeededBatches(self.batch_sampler)
+        return self.__dict__["_seeded"]
+
+
+def reseed_worker(dataset, batch):
+    """In a DataLoader worker, at the first `batch` of an epoch (a SeededBatch): seed random, torch
+    and numpy exactly as torch's worker loop seeds a fresh worker (base seed + worker id)."""
+    info = torch.utils.data.get_worker_info()
+    epoch = getattr(batch, "epoch", None)
+    if info is None or epoch is None or epoch == getattr(dataset, "_worker_epoch", None):
+        return
+    dataset._worker_epoch = epoch
+    base_seed = epoch[1]
+    random.seed(base_seed + info.id)
+    torch.manual_seed(base_seed + info.id)
+    np.random.seed(_generate_state(base_seed, info.id))

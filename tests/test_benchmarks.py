@@ -143,3 +143,19 @@ def test_loader_benchmark_quick_times_both_loaders_on_the_same_files(tmp_path):
         assert photo.size == (400, 300) and photo.format == "JPEG"
     md = (tmp_path / "loader.md").read_text()
     assert r.stdout.rstrip().endswith(md.strip().splitlines()[-1])  # the table is printed last
+
+
+@pytest.mark.slow
+def test_sample_memory_quick_workers_copy_the_list_but_not_the_sample_list(tmp_path):
+    """Forked workers that read every sample copy a list of tuples (pytorch/pytorch#13246), not data.SampleList."""
+    out = tmp_path / "sample_memory.json"
+    r = subprocess.run([sys.executable, "benchmarks/sample_memory.py", "--quick", "--json", out], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    old, new = rows["list of tuples"], rows["SampleList"]
+    assert len(old["worker_growth_mb"]) == len(new["worker_growth_mb"]) == 2
+    # 50,000 tuples of a 63-character path and a label: about 10 MiB, copied by each worker.
+    assert min(old["worker_growth_mb"]) > 5, old
+    assert max(new["worker_growth_mb"]) < min(old["worker_growth_mb"]) / 10, rows
+    assert "| SampleList |" in r.stdout

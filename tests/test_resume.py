@@ -154,3 +154,20 @@ def test_recipe_options_resume_mid_step_bit_for_bit(data, tmp_path, monkeypatch,
     for k in a["ema"]:
         assert torch.equal(a["ema"][k], b["ema"][k]), f"EMA tensor {k} differs"
     assert a["best_weights"] == b["best_weights"] and "val_acc_ema" in metrics(out)[-1]
+
+
+@pytest.mark.slow
+def test_persistent_workers_resume_mid_epoch_bit_for_bit(data, tmp_path, monkeypatch, capsys):
+    """data.num_workers=2, workers that live across epochs: 2 epochs straight (epoch 2 on epoch 1's
+    workers) == stopped by SIGINT in epoch 2 and resumed (epoch 2 on fresh workers, 3 steps skipped).
+    Later epochs on the same workers: tests/test_loader.py."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    assert run_main(train, run_args(data, straight, "data.num_workers=2", epochs=2), monkeypatch) == 0
+    signal_on_training_batch(monkeypatch, 6 + 3, signal.SIGINT)
+    code = run_main(train, run_args(data, out, "data.num_workers=2", epochs=2), monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGINT, err
+    assert load(out / "checkpoints" / "last.pt")["epoch_step"] == 3
+    monkeypatch.undo()
+    assert run_main(train, _resume_from_message(err), monkeypatch) == 0
+    assert_same_run(straight, out)

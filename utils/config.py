@@ -39,6 +39,7 @@ class DataConfig:
     min_crop_scale: float = MISSING
     val_resize: int = MISSING
     num_workers: int = MISSING
+    persistent_workers: bool = MISSING
     pin_memory: bool = MISSING
     pipeline: str = MISSING
     cache_size: int = MISSING

@@ -1,0 +1,72 @@
+"""The training loader: workers that live across epochs, and sample lists that forked workers read
+without copying them. (A resumed run with such workers: tests/test_resume.py; the lists' memory
+at a million samples: benchmarks/sample_memory.py, run by tests/test_benchmarks.py.)
+
+    python -m pytest tests/test_loader.py -q
+"""
+import os
+import pickle
+
+import pytest
+import torch
+
+import data
+from conftest import make_image_folder
+from utils.config import load_config
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("loader") / "flowers", per_class=4)  # 16 train
+
+
+def epochs_of_batches(root, persistent, seeds, cut_short=()):
+    """Train batches of one epoch per seed, the loader reseeded with it before each epoch as
+    engine._train_epoch does; the epochs in `cut_short` are left after their first batch (the rest
+    prefetched, never taken)."""
+    cfg = load_config([f"data.path={root}", "data.num_workers=2", "data.img_size=16", "data.val_resize=18",
+                       f"data.persistent_workers={str(persistent).lower()}"])
+    train_set, _, _ = data.build_datasets(cfg.data)
+    sampler = data.epoch_sampler(train_set, seed=7)
+    loader = data.make_loader(train_set, 4, sampler, cfg.data, torch.device("cpu"), train=True)
+    assert isinstance(loader, data.PersistentLoader) == persistent
+    seen = []
+    for epoch, seed in enumerate(seeds):
+        sampler.set_epoch(epoch)
+        loader.generator.manual_seed(seed)
+        batches = []
+        for images, _ in loader:
+            batches.append(images)
+            if epoch in cut_short:
+                break
+        seen.append(torch.stack(batches))
+    return seen
+
+
+def test_persistent_workers_give_each_epoch_the_batches_fresh_workers_give(root):
+    """Workers that live across epochs draw each epoch's augmentation from the seed fresh workers
+    would take from the reseeded generator: after an epoch whose prefetched batches were left, and
+    when the generator is given the same seed again."""
+    seeds = (1000, 1001, 1001)
+    fresh = epochs_of_batches(root, persistent=False, seeds=seeds)
+    kept = epochs_of_batches(root, persistent=True, seeds=seeds, cut_short={0})
+    assert torch.equal(kept[0], fresh[0][:1])
+    for epoch in (1, 2):
+        assert torch.equal(kept[epoch], fresh[epoch]), f"epoch {epoch + 1} differs"
+
+
+def test_sample_list_reads_as_the_list_of_pairs_it_packs(tmp_path):
+    pairs = [("/data/a/x.jpg", 0), ("/data/b/\udcff-not-utf8.jpg", 3), ("/data/c/é.png", 1)]
+    samples = data.SampleList(pairs)
+    assert len(samples) == 3 and list(samples) == pairs
+    assert samples[1] == pairs[1] and samples[-1] == pairs[-1] and samples[0][0] == "/data/a/x.jpg"
+    with pytest.raises(IndexError):
+        samples[3]
+    assert list(pickle.loads(pickle.dumps(samples))) == pairs  # spawned workers, broadcast_object
+    assert not data.SampleList([])
+    ds = data.ImageList(pairs)
+    assert isinstance(ds.samples, data.SampleList) and ds.targets == [0, 3, 1] and len(ds) == 3
+    # The bytes of a name that is not UTF-8 reach the file system unchanged.
+    name = os.fsencode("\udcff-not-utf8.jpg")
+    (tmp_path / os.fsdecode(name)).write_bytes(b"")
+    assert os.path.exists(data.SampleList([(str(tmp_path / os.fsdecode(name)), 0)])[0][0])
