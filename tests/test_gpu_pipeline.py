@@ -6,6 +6,8 @@ In-process tests use this file's own plain transforms (plain_transforms), not da
 that one is the user's to edit, and an added ColorJitter is refused by the device path on purpose.
 """
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import data
 import train as train_script
 from conftest import FAST_ARGS, make_image_folder, run_entry
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from torch.utils.data import DataLoader
 from utils import gpu_pipeline
 from utils.config import load_config
 from utils.distributed_utils import resolve_device
@@ -278,7 +281,7 @@ def test_a_pinned_cache_is_budgeted_at_its_power_of_two_block():
 
 def test_the_loader_checks_the_budget_before_decoding(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
-    cfg = _cfg(root, "data.pipeline=gpu", "data.cache_size=64")
+    cfg = _cfg(root, "data.pipeline=gpu", "data.cache_size=64", "data.gpu_decode=once")
     train_set, _, _ = build_datasets(cfg.data)
     # 20 train images x 3 x 64 x 64 bytes = 245,760; 2 processes on the node with 900 kB: over half of 450 kB.
     monkeypatch.setattr(gpu_pipeline, "host_available_bytes", lambda: 900_000)
@@ -365,3 +368,132 @@ def test_cuda_scripts_with_gpu_pipeline_and_compile(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_entry("train_multi_gpu_ddp.py", "--output-dir", tmp_path / "b", *args, nproc=1)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- data.gpu_decode=per_batch
+
+def test_auto_decodes_every_batch_when_the_cache_does_not_fit(tmp_path, monkeypatch, capsys):
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    cfg = _cfg(root, "data.pipeline=gpu", "data.cache_size=64")  # data.gpu_decode=auto, the default
+    train_set, _, _ = build_datasets(cfg.data)
+    monkeypatch.setattr(gpu_pipeline, "host_available_bytes", lambda: 900_000)
+    monkeypatch.setattr(gpu_pipeline, "build_cache", lambda *a, **k: pytest.fail("decoded into a cache"))
+    loader = make_loader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, torch.device("cpu"), True,
+                         procs_per_node=2)
+    assert ("gpu pipeline: 20 train images, JPEGs decoded on cpu every batch (data.pipeline=gpu would cache "
+            "0.2 MiB in host memory") in capsys.readouterr().out
+    batches = [x for x, _ in loader]
+    assert len(batches) == 5 and batches[0].shape == (4, 3, 32, 32)
+
+
+def _epoch(loader, epoch=0, seed=5):
+    loader.sampler.set_epoch(epoch)
+    loader.generator.manual_seed(seed)
+    return [(x, y) for x, y in loader]
+
+
+def test_per_batch_decoding_gives_the_cache_paths_batches(tmp_path):
+    """Same crops, flips and normalisation as the decode-once cache: only the resize to the cache square
+    differs (torch's antialiased bilinear on the device, PIL's in the cache). Workers change nothing."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    once, _ = _loaders(_cfg(root, "data.pipeline=gpu", "data.gpu_decode=once"))
+    per_batch, _ = _loaders(_cfg(root, "data.pipeline=gpu", "data.gpu_decode=per_batch"))
+    workers, _ = _loaders(_cfg(root, "data.pipeline=gpu", "data.gpu_decode=per_batch", "data.num_workers=2"))
+    assert per_batch.jpeg is not None and once.jpeg is None and len(per_batch) == len(once) == 5
+    a, b, c = _epoch(once), _epoch(per_batch), _epoch(workers)
+    for (xa, ya), (xb, yb), (xc, yc) in zip(a, b, c):
+        assert torch.equal(ya, yb) and torch.equal(yb, yc)
+        assert torch.equal(xb, xc)  # the workers only read bytes: nothing random happens there
+        assert (xa - xb).abs().mean() < 0.01 and (xa - xb).abs().max() < 0.05, (xa - xb).abs().max()
+    assert not torch.equal(_epoch(per_batch, seed=6)[0][0], b[0][0])  # the generator draws the crops
+
+
+def test_per_batch_decoding_falls_back_per_image_for_what_is_not_a_plain_jpeg(tmp_path, monkeypatch, capsys):
+    """PNGs and a CMYK JPEG arrive decoded by the dataset's PIL loading, the RGB JPEGs as bytes for the
+    device; a truncated JPEG, which the decoder refuses, is warned about and replaced by the next image,
+    as on the PIL path. Validation pixels match the PIL path's within rounding."""
+    import bad_files
+    root = make_image_folder(tmp_path / "f", per_class=3, size=(52, 40))
+    bad_files.rgba_png(root / "daisy" / "rgba.png")
+    bad_files.grayscale_png(root / "roses" / "grey.png")
+    bad_files.cmyk_jpeg(root / "tulips" / "cmyk.jpg")
+    bad_files.truncated_jpeg(root / "sunflowers" / "cut.jpg")
+    cfg = _cfg(root, "data.pipeline=gpu", "data.gpu_decode=per_batch", "data.val_rate=0")
+    dataset, _, _ = build_datasets(cfg.data)
+    dataset.transform = plain_transforms(32, 36)[1]  # the whole set, as validation sees it
+    kinds = {}
+    real_collate = gpu_pipeline._collate_encoded
+
+    def collate(items):
+        kinds.update({Path(dataset.samples[index][0]).name: kind for _, kind, _, _, _, index in items})
+        return real_collate(items)
+
+    monkeypatch.setattr(gpu_pipeline, "_collate_encoded", collate)
+    cpu = torch.device("cpu")
+    ours = GpuLoader(dataset, 4, ShardSampler(dataset), cfg.data, cpu, train=False, verbose=False)
+    got = [(x, y) for x, y in ours]
+    assert {n: k for n, k in kinds.items() if not n.endswith("_000.jpg")} == {
+        "rgba.png": gpu_pipeline.PIXELS, "grey.png": gpu_pipeline.PIXELS, "cmyk.jpg": gpu_pipeline.PIXELS,
+        "cut.jpg": gpu_pipeline.ENCODED, **{f"{c}_{i:03d}.jpg": gpu_pipeline.ENCODED
+                                            for c in ("daisy", "dandelion", "roses", "sunflowers", "tulips")
+                                            for i in (1, 2)}}
+    assert "warning: skipping unreadable image: cannot decode" in capsys.readouterr().err
+    dataset.bad_status.zero_()  # the PIL path meets the truncated file afresh
+    pil = DataLoader(dataset, 4, sampler=ShardSampler(dataset))
+    for (x, y), (xp, yp) in zip(got, pil):
+        assert torch.equal(y, yp)  # the truncated file's slot: the same substitute
+        assert (x - xp).abs().max() < 0.1, (x - xp).abs().max()  # a level or two of uint8 rounding
+    assert sum(len(y) for _, y in got) == 19
+
+
+@pytest.mark.slow
+def test_per_batch_decoding_trains_and_resumes_mid_epoch_exactly(tmp_path, monkeypatch, capsys):
+    """train.py's main with data.gpu_decode=per_batch and a worker: a run stopped by Ctrl-C in epoch 2
+    and resumed ends with the weights and metrics of the run that was not stopped."""
+    import signal
+
+    from _resume_utils import assert_same_run, metrics, run_args, run_main
+    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
+    keys = ["data.pipeline=gpu", "data.gpu_decode=per_batch", "data.num_workers=1", "data.val_rate=0.5"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_main(train_script, run_args(root, tmp_path / "straight", *keys, epochs=2), monkeypatch) == 0
+        assert "JPEGs decoded on cpu every batch" in capsys.readouterr().out
+        real, decoded = gpu_pipeline.JpegBatches.decode, []
+
+        def decode_then_interrupt(self, parts, meta):
+            if self.loader.drop_last:  # the training loader
+                decoded.append(1)
+                if len(decoded) == 3:  # epoch 2's first batch (10 train images, batch 4: 2 steps an epoch)
+                    os.kill(os.getpid(), signal.SIGINT)
+            return real(self, parts, meta)
+
+        monkeypatch.setattr(gpu_pipeline.JpegBatches, "decode", decode_then_interrupt)
+        out = tmp_path / "resumed"
+        assert run_main(train_script, run_args(root, out, *keys, epochs=2), monkeypatch) == 128 + signal.SIGINT
+        assert "stopped by SIGINT in epoch 2" in capsys.readouterr().err
+        monkeypatch.setattr(gpu_pipeline.JpegBatches, "decode", real)
+        assert run_main(train_script, run_args(root, out, *keys, epochs=2, flags=["--resume", "auto"]),
+                        monkeypatch) == 0
+        assert "at epoch 2 after its step 1" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+    assert len(metrics(out)) == 2
+    assert_same_run(tmp_path / "straight", out)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_per_batch_decoding_matches_cpu_decoding(tmp_path):
+    """nvJPEG on the device and libjpeg on the CPU: the same batches within a few levels of rounding."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    keys = ("data.pipeline=gpu", "data.gpu_decode=per_batch")
+    (train_gpu, val_gpu), (train_cpu, val_cpu) = _loaders(_cfg(root, *keys, device="cuda"),
+                                                          resolve_device("cuda")), _loaders(_cfg(root, *keys))
+    assert train_gpu.jpeg is not None and train_gpu.channels_last
+    for (xg, yg), (xc, yc) in zip(_epoch(train_gpu), _epoch(train_cpu)):
+        assert xg.is_cuda and torch.equal(yg.cpu(), yc)
+        assert (xg.cpu() - xc).abs().mean() < 0.05
+    for (xg, _), (xc, _) in zip(val_gpu, val_cpu):
+        assert (xg.cpu() - xc).abs().mean() < 0.05

@@ -44,6 +44,7 @@ class DataConfig:
     pipeline: str = MISSING
     cache_size: int = MISSING
     cache_on_device: bool = MISSING
+    gpu_decode: str = MISSING
     bad_image: str = MISSING
     verify: bool = MISSING
     max_image_pixels: int = MISSING
@@ -137,6 +138,7 @@ CHOICES = {
     "optim.name": ("sgd", "adamw"),
     "train.amp": ("auto", "bf16", "fp16", "off"),
     "data.pipeline": ("pil", "gpu", "auto"),
+    "data.gpu_decode": ("auto", "once", "per_batch"),
     "data.bad_image": ("warn", "error"),
     "data.sampler": ("shuffle", "balanced"),
     "ddp.backend": ("auto", "nccl", "gloo"),

@@ -37,32 +37,49 @@ pixels (the crop box is mapped into it, so geometry is unchanged, but the
 source is resampled once, and a crop is then resized bilinearly without
 antialiasing).
 
-Memory: the whole set must fit, about N x 3 x cache_size^2 bytes (flower_photos
+Memory: the cache holds the whole set, about N x 3 x cache_size^2 bytes (flower_photos
 at 320 px: 1.1 GB). Under DDP every rank decodes the whole training set and
 keeps its own cache (its sampler draws from all of it over the epochs): one
 copy per GPU in device memory, or one per process in pinned host RAM, so decode
 work and host memory grow with the processes on a node. Before decoding, a
 cache that would take more than half of the memory it can have (the free memory
 of its GPU, or the host's available RAM divided among this node's processes)
-is refused with one line; a pinned cache is counted at the power of two that
-torch's pinned allocator rounds it up to. For such sets use the default PIL path.
+does not fit; a pinned cache is counted at the power of two that torch's pinned
+allocator rounds it up to.
+
+Beyond memory (data.gpu_decode: auto when the cache does not fit, per_batch
+always; once refuses such a set with one line): DataLoader workers read each
+JPEG's file bytes, and every batch is decoded on the device in one
+torchvision.io.decode_jpeg call (nvJPEG on CUDA, libjpeg on the CPU), stretched
+to the cache square there and then cropped, flipped and normalised by the
+code above; validation gets the PIL path's Resize + CenterCrop on the tensor.
+Files that are not RGB or grey JPEGs (PNG, CMYK...) are decoded by the
+dataset's PIL loading in the workers, one by one, and so are JPEGs the decoder
+refuses (an unreadable one is warned about and replaced as on the PIL path).
+On CUDA the stream is drained before each decode (see _decode_jpegs): one host
+sync per batch, which the cache path does not have.
 """
 import copy
+import io
 import math
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import functional as TF
 
 from utils.errors import UserError
 
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 DEVICE_TRAIN_STEPS = "RandomResizedCrop, RandomHorizontalFlip, ToTensor and Normalize"
+CACHE_HINT = "; use data.gpu_decode=auto (decode every batch instead), data.pipeline=pil, or a smaller data.cache_size"
 
 
 def _steps(transform):
@@ -118,16 +135,23 @@ def pinned_block_bytes(n_bytes):
 def check_cache_fits(need_bytes, available_bytes, sharing, where, pinned=False):
     """Refuse a cache over half of the memory it can have: `available_bytes` shared by `sharing` processes.
     pinned: the cache is one pinned host block, counted at its rounded size (pinned_block_bytes)."""
+    why = cache_refusal(need_bytes, available_bytes, sharing, where, pinned)
+    if why:
+        raise UserError(why + CACHE_HINT)
+
+
+def cache_refusal(need_bytes, available_bytes, sharing, where, pinned=False):
+    """Why check_cache_fits would refuse this cache, or None if it fits (or the memory is unknown)."""
     if available_bytes is None:
-        return
+        return None
     budget = available_bytes / max(sharing, 1) / 2
     taken = pinned_block_bytes(need_bytes) if pinned else need_bytes
-    if taken > budget:
-        share = f" / {sharing} processes on this node" if sharing > 1 else ""
-        rounded = f" (a {_size(taken)} pinned block)" if taken != need_bytes else ""
-        raise UserError(f"data.pipeline=gpu would cache {_size(need_bytes)}{rounded} in {where}, over half of "
-                        f"the {_size(available_bytes)} available{share}; use data.pipeline=pil, "
-                        "or a smaller data.cache_size")
+    if taken <= budget:
+        return None
+    share = f" / {sharing} processes on this node" if sharing > 1 else ""
+    rounded = f" (a {_size(taken)} pinned block)" if taken != need_bytes else ""
+    return (f"data.pipeline=gpu would cache {_size(need_bytes)}{rounded} in {where}, over half of "
+            f"the {_size(available_bytes)} available{share}")
 
 
 def _size(n_bytes):
@@ -217,6 +241,10 @@ class _TrainCacheItem:
         img = img.resize((self.size, self.size), Image.BILINEAR)  # PIL antialiases when shrinking
         return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1), torch.tensor([h, w])
 
+    def on_tensor(self, img):
+        """The same for a uint8 CHW tensor (data.gpu_decode=per_batch): torch's antialiased bilinear."""
+        return TF.resize(img, [self.size, self.size], interpolation=T.InterpolationMode.BILINEAR, antialias=True)
+
 
 class _ValCacheItem:
     """PIL image -> uint8 CHW after exactly the PIL path's Resize + CenterCrop."""
@@ -227,6 +255,10 @@ class _ValCacheItem:
     def __call__(self, img):
         img = self.geometric(img)
         return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1), torch.tensor(img.size[::-1])
+
+    def on_tensor(self, img):
+        """The same steps on a uint8 CHW tensor (torchvision's Resize antialiases tensors too)."""
+        return self.geometric(img)
 
 
 def build_cache(dataset, item_fn, workers, pin=False, batch_size=32):
@@ -258,6 +290,8 @@ class GpuLoader:
     Yields (images, labels) already on `device`, normalised, channels_last
     when asked; the training loop's own .to(device) is then a no-op. The
     augmentation's parameters come from `dataset.transform` (see the top).
+    The pixels come from the decode-once cache, or (data.gpu_decode, and see
+    JpegBatches) from the JPEG files, decoded on the device batch by batch.
     """
 
     def __init__(self, dataset, batch_size, sampler, data_cfg, device, train, workers=0,
@@ -277,21 +311,31 @@ class GpuLoader:
             assert [type(t) for t in steps[-2:]] == [T.ToTensor, T.Normalize], f"unexpected val transform {steps}"
             item, shape = _ValCacheItem(T.Compose(steps[:-2])), (3, data_cfg.img_size, data_cfg.img_size)
         self.generator = torch.Generator()  # reseeded every epoch by fit(): reproducible augmentation
+        # Normalize's (mean, std) as (1, 3, 1, 1) float32 on the device, for normalize().
+        self.mean, self.std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+                               for v in (norm.mean, norm.std))
         start = time.perf_counter()
         self.on_device = device.type == "cuda" and data_cfg.cache_on_device
         pin = device.type == "cuda" and not self.on_device
         where = "device memory" if self.on_device else ("pinned host memory" if pin else "host memory")
         need = len(dataset) * math.prod(shape)
         if self.on_device:
-            check_cache_fits(need, torch.cuda.mem_get_info(device)[0], 1, f"the memory of {device}")
+            refusal = cache_refusal(need, torch.cuda.mem_get_info(device)[0], 1, f"the memory of {device}")
         else:
-            check_cache_fits(need, host_available_bytes(), procs_per_node, where, pinned=pin)
+            refusal = cache_refusal(need, host_available_bytes(), procs_per_node, where, pinned=pin)
+        self.jpeg = None
+        if data_cfg.gpu_decode == "per_batch" or (refusal and data_cfg.gpu_decode == "auto"):
+            # A set too large to cache: the workers read file bytes, each batch is decoded here.
+            self.jpeg = JpegBatches(dataset, batch_size, sampler, train, workers, device, item.on_tensor)
+            if verbose:
+                print(f"gpu pipeline: {len(dataset)} {'train' if train else 'val'} images, JPEGs decoded on "
+                      f"{device} every batch" + (f" ({refusal})" if refusal else ""), flush=True)
+            return
+        if refusal:
+            raise UserError(refusal + CACHE_HINT)
         images, self.sizes, labels = build_cache(dataset, item, workers, pin=pin)
         self.images = images.to(device) if self.on_device else images
         self.labels = labels.to(device)
-        # Normalize's (mean, std) as (1, 3, 1, 1) float32 on the device, for normalize().
-        self.mean, self.std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, 3, 1, 1)
-                               for v in (norm.mean, norm.std))
         self.cache_seconds = time.perf_counter() - start
         self.cache_bytes = self.images.numel()
         if verbose:
@@ -303,6 +347,10 @@ class GpuLoader:
         return n // self.batch_size if self.train else math.ceil(n / self.batch_size)
 
     def __iter__(self):
+        if self.jpeg is not None:
+            for pixels, sizes, labels in self.jpeg:
+                yield self._augment(pixels, sizes, labels)
+            return
         order = torch.as_tensor(list(self.sampler), dtype=torch.long)
         for b in range(len(self)):
             yield self._batch(order[b * self.batch_size:(b + 1) * self.batch_size])
@@ -315,12 +363,16 @@ class GpuLoader:
             pixels = pixels.to(self.device, non_blocking=True)
         else:
             pixels = self.images[_to(idx, self.device, pin)]
-        labels = self.labels[_to(idx, self.device, pin)]
+        return self._augment(pixels, self.sizes[idx], self.labels[_to(idx, self.device, pin)])
+
+    def _augment(self, pixels, sizes, labels):
+        """A batch as the cache holds it (uint8 on the device; train: stretched squares, with their
+        original (H, W) in `sizes` on the host) -> the random resized crops and flips, normalised."""
         if self.train:
-            heights, widths = self.sizes[idx, 0], self.sizes[idx, 1]
+            heights, widths = sizes[:, 0], sizes[:, 1]
             boxes, flip = sample_crops(heights, widths, self.generator, self.scale, self.ratio, flip_p=self.flip_p)
-            theta = _to(crop_theta(boxes, flip, heights, widths), self.device, pin)
-            size = (len(idx), 3, *self.out_size)
+            theta = _to(crop_theta(boxes, flip, heights, widths), self.device, self.device.type == "cuda")
+            size = (len(labels), 3, *self.out_size)
             grid = F.affine_grid(theta, size, align_corners=False)
             # Interpolating uint8 values keeps normalisation identical to the PIL path's order of ops.
             pixels = F.grid_sample(pixels.float(), grid, mode="bilinear", padding_mode="border",
@@ -334,3 +386,127 @@ def _to(t, device, pin):
         return t
     return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
+
+# --------------------------------------------------------------------------- decoding every batch
+
+ENCODED, PIXELS = 0, 1  # what a worker sends for one image: the file's bytes, or pixels PIL decoded
+
+
+def _chw_uint8(img):
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+
+
+class EncodedFiles(Dataset):
+    """Index -> (1-D uint8, kind, H, W, label, index), in the DataLoader workers.
+
+    A JPEG that the device can decode as the PIL path would (RGB or grey, within
+    data.max_image_pixels, not known bad) is sent as its file's bytes (ENCODED).
+    Anything else (PNG, CMYK JPEG, an unreadable file) goes through the dataset's
+    own PIL loading, with its RGB conversion and bad-image substitution, and is
+    sent as pixels (PIXELS, H x W).
+    """
+
+    def __init__(self, dataset):
+        self.pil = copy.copy(dataset)
+        self.pil.transform = _chw_uint8
+        self.max_pixels = getattr(dataset, "max_pixels", 0)
+
+    def __len__(self):
+        return len(self.pil)
+
+    def __getitem__(self, index):
+        path, label = self.pil.samples[index]
+        raw = _jpeg_bytes(path, self.max_pixels) if not self._known_bad(index) else None
+        if raw is not None:
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8), ENCODED, 0, 0, label, index
+        pixels, label = self.pil[index]
+        return pixels.flatten(), PIXELS, pixels.shape[1], pixels.shape[2], label, index
+
+    def _known_bad(self, index):
+        status = getattr(self.pil, "bad_status", None)
+        return status is not None and bool(status[index])
+
+
+def _jpeg_bytes(path, max_pixels):
+    """The file's bytes if PIL reads it as an RGB or grey JPEG within max_pixels (its header only), else None."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        with Image.open(io.BytesIO(raw)) as img:
+            w, h = img.size
+            ok = img.format == "JPEG" and img.mode in ("RGB", "L") and not (max_pixels and w * h > max_pixels)
+        return raw if ok else None
+    except Exception:  # noqa: BLE001 - the PIL path decides what is wrong with the file, and says so
+        return None
+
+
+def _collate_encoded(items):
+    """One buffer for the whole batch (one shared-memory block through IPC, not one per image)."""
+    parts, kinds, heights, widths, labels, indices = zip(*items)
+    meta = torch.tensor(list(zip(kinds, heights, widths, labels, indices)), dtype=torch.long)
+    return torch.cat(parts), torch.tensor([len(p) for p in parts]), meta
+
+
+class JpegBatches:
+    """data.gpu_decode=per_batch: file bytes from DataLoader workers -> uint8 batches on `device` as the
+    cache would hold them (train: each image stretched to the cache square, its (H, W) beside it; val: the
+    PIL path's Resize + CenterCrop), for GpuLoader._augment.
+
+    The JPEGs of a batch are decoded in one torchvision.io.decode_jpeg call on the device (nvjpeg on
+    CUDA, libjpeg on the CPU); other images arrive decoded. The order is the sampler's; the workers draw
+    nothing at random, so the crops (drawn from GpuLoader.generator) and a resumed run are as with the
+    cache, and the workers can live across epochs.
+    """
+
+    def __init__(self, dataset, batch_size, sampler, train, workers, device, resize):
+        self.device, self.resize = device, resize
+        files = EncodedFiles(dataset)
+        self.fallback = files.pil  # a JPEG the decoder refuses goes the PIL path, in this process
+        self.loader = DataLoader(files, batch_size=batch_size, sampler=sampler, drop_last=train,
+                                 num_workers=workers, collate_fn=_collate_encoded, persistent_workers=workers > 0,
+                                 prefetch_factor=4 if workers > 0 else None,
+                                 generator=torch.Generator())  # the workers' base seed, not the global RNG
+
+    def __iter__(self):
+        for blob, lengths, meta in self.loader:
+            images, labels = self.decode(blob.split(lengths.tolist()), meta.tolist())
+            sizes = torch.tensor([img.shape[1:] for img in images], dtype=torch.long)
+            pixels = torch.stack([self.resize(img) for img in images])
+            yield pixels, sizes, _to(torch.tensor(labels), self.device, self.device.type == "cuda")
+
+    def decode(self, parts, meta):
+        """-> (uint8 CHW images on the device, labels). A batch the decoder refuses is retried image by
+        image; an image it refuses goes through the dataset's PIL loading (which warns and substitutes)."""
+        images, labels = [None] * len(parts), [m[3] for m in meta]
+        jpegs = [i for i, m in enumerate(meta) if m[0] == ENCODED]
+        try:
+            decoded = _decode_jpegs([parts[i] for i in jpegs], self.device) if jpegs else []
+        except RuntimeError:
+            decoded = [self._decode_one(parts[i]) for i in jpegs]
+        for i, img in zip(jpegs, decoded):
+            images[i] = img
+        for i, (kind, h, w, _, index) in enumerate(meta):
+            if kind == PIXELS:
+                images[i] = parts[i].view(3, h, w).to(self.device, non_blocking=True)
+            elif images[i] is None:
+                pixels, labels[i] = self.fallback[index]
+                images[i] = pixels.to(self.device)
+        return images, labels
+
+    def _decode_one(self, part):
+        try:
+            return _decode_jpegs([part], self.device)[0]
+        except RuntimeError:
+            return None
+
+
+def _decode_jpegs(parts, device):
+    # decode_jpeg(list, device=...) (torchvision >= 0.19, so torch >= 2.4) is the batched nvjpeg call.
+    # torchvision 0.29 marks its decoders deprecated in favour of TorchCodec; they still work.
+    if device.type == "cuda":
+        # nvJPEG's hardware engine can write its outputs before the work queued on the stream has run,
+        # into blocks that queued kernels still read (pytorch/vision#9606): drain the stream first.
+        torch.cuda.current_stream(device).synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(parts, mode=ImageReadMode.RGB, device=device)
