@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from utils import checkpoint as ckpt
 from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects,
-                                     reduce_min, reduce_sums, use_channels_last)
+                                     no_sync, reduce_min, reduce_sums, use_channels_last)
 from utils.errors import RUNTIME_EXIT, UserError
+from utils import fsdp
 from utils.optim import (WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler, class_weights,
                          place_schedule, resolve_amp)
 from utils.run_logger import RunLogger
@@ -130,9 +131,8 @@ class EpochHooks:
 
 def _forward_backward(step, images, targets, stepping):
     """The batch's loss (detached), its gradients added to the parameters' (scaled under fp16)."""
-    no_sync = getattr(step.model, "no_sync", None) if step.accum_steps > 1 else None
-    # DDP's no_sync: the non-final micro-batches only add to the local gradients.
-    with no_sync() if no_sync is not None and not stepping else contextlib.nullcontext():
+    # The non-final micro-batches only add to the local gradients (DDP's no_sync, FSDP's alike).
+    with no_sync(step.model) if step.accum_steps > 1 and not stepping else contextlib.nullcontext():
         with torch.autocast(step.device.type, dtype=step.amp_dtype, enabled=step.amp_dtype is not None):
             try:
                 loss = step.criterion(step.model(images), targets)
@@ -164,7 +164,9 @@ def _optimizer_step(step, window, clipped):
     """Clip `clipped` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
     if step.clip_grad_norm:
         step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the loss-scaled ones
-        window.add_norm(torch.nn.utils.clip_grad_norm_(clipped, step.clip_grad_norm).double())  # no sync
+        norm = torch.nn.utils.clip_grad_norm_(clipped, step.clip_grad_norm)  # no host sync
+        # FSDP: a replicated DTensor (its shards' norms combined, in another order than DDP's sum).
+        window.add_norm((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double())
     step.scaler.step(step.optimizer)
     step.scaler.update()
     step.scheduler.step()
@@ -330,6 +332,7 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     sums = {"loss": zero.clone(), **{name: zero.clone() for name in metrics},
             "confusion": torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)}
     worst = _WorstImages(loader, device, worst_k)
+    short = _forwards_short(model, loader)
     start = time.perf_counter()
     for images, labels in logger.progress(loader, len(loader), "eval"):
         images, labels = _to_device(images, labels, device, channels_last)
@@ -344,6 +347,9 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
         cells = labels * num_classes + pred
         sums["confusion"].index_add_(0, cells, torch.ones_like(cells, dtype=sums["confusion"].dtype))
         worst.add(logits, pred, labels, losses)
+    for _ in range(short):  # results unused: only the collectives inside the forward count
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            model(images[:1])
     totals = reduce_sums(sums)
     confusion = totals.pop("confusion").view(num_classes, num_classes)  # rows: true class, columns: predicted
     count = confusion.sum().item()
@@ -357,6 +363,18 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
         out["val_worst"] = worst.merged(loader.dataset)  # every rank joins the gather
     out["val_seconds"] = time.perf_counter() - start
     return out
+
+
+def _forwards_short(model, loader):
+    """FSDP: a forward gathers each block's shards from every rank, so all ranks must make as many as
+    the one with the most validation batches; how many this rank is short (0 for other models)."""
+    if not fsdp.is_sharded(model):
+        return 0
+    counts = gather_objects(len(loader))
+    if min(counts) == 0:
+        raise UserError(f"train_multi_gpu_fsdp.py: {len(loader.dataset)} validation images for {len(counts)} "
+                        "processes leave a process without any; use fewer processes", every_rank=True)
+    return max(counts) - len(loader)
 
 
 class _WorstImages:
@@ -731,7 +749,7 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
         state = state or ckpt.load_checkpoint(resume_path, map_location="cpu")
         ckpt.check_compatible(state, model, classes, model_name=cfg.model.name)
         weights = ckpt.best_weights(state)  # its EMA where that made the best accuracy (train.ema_decay)
-        ckpt.unwrap(model).load_state_dict(weights)
+        ckpt.load_weights(model, weights)
         source += " (EMA weights)" if weights is state.get("ema") else ""
         del state, weights
     if dist_info.rank == 0:

@@ -24,6 +24,7 @@ from utils.checkpoint import best_weights, load_checkpoint, strip_wrapper_prefix
 from utils.config import register_check
 from utils.distributed_utils import use_channels_last
 from utils.errors import UserError
+from utils.fsdp import checkpoint_blocks
 
 # Your own model: name -> constructor called as constructor(num_classes=N), returning an
 # nn.Module whose last Linear (or Conv2d) with N outputs is the classifier head, e.g.
@@ -299,6 +300,14 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
             trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(f"freeze_layers: only the head '{head}' trains ({trained} parameters); "
                   "BatchNorm statistics are frozen")
+    if model_cfg.activation_checkpointing:
+        blocks = checkpoint_blocks(model, model_cfg.blocks)
+        if not blocks:
+            raise UserError(f"model.activation_checkpointing: no blocks found in {model_cfg.name}; name them "
+                            "with model.blocks=[NAME, ...]", every_rank=True)
+        if verbose:
+            print(f"activation checkpointing: {len(blocks)} blocks ({', '.join(blocks[:4])}"
+                  f"{', ...' if len(blocks) > 4 else ''}) recompute their forward in the backward")
     model.to(device)
     if use_channels_last(model_cfg.channels_last, device):
         model.to(memory_format=torch.channels_last)

@@ -5,6 +5,7 @@
 nan:RANK:STEP   on rank RANK, the training loss of the STEP-th step (0-based, counted over the
                 whole process) and of every later one is NaN, as an overflow would make it.
 stop:RANK:STEP  on the first attempt, rank RANK stops (SIGSTOP) at its STEP-th step (0-based).
+kill:RANK:STEP  on the first attempt, rank RANK dies (SIGKILL) at its STEP-th step (0-based).
 
 The fault is a monkeypatch made before the script runs, so the product code has
 no test hooks; everything else is the real script under the real launcher.
@@ -35,9 +36,10 @@ def inject_nan(rank, step):
     engine.Criterion.__call__ = criterion
 
 
-def inject_stop(rank, step):
+def inject_stop(rank, step, sig="SIGSTOP"):
     """The first attempt's rank RANK stops itself (SIGSTOP) before its STEP-th training step: a rank
-    that stops answering, as on a hung filesystem. A torchrun restart runs on unharmed."""
+    that stops answering, as on a hung filesystem. A torchrun restart runs on unharmed.
+    sig="SIGKILL": the rank dies there instead, as on a lost machine."""
     import signal
     import engine
     real = engine.Criterion.__call__
@@ -47,7 +49,7 @@ def inject_stop(rank, step):
         calls["train"] += 1
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and int(os.environ.get("RANK", "0")) == rank and calls["train"] == step + 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), getattr(signal, sig))
         return real(self, logits, targets)
 
     engine.Criterion.__call__ = criterion
@@ -56,7 +58,8 @@ def inject_stop(rank, step):
 if __name__ == "__main__":
     fault, script, *args = sys.argv[1:]
     kind, *params = fault.split(":")
-    faults = {"nan": inject_nan, "stop": inject_stop}
+    faults = {"nan": inject_nan, "stop": inject_stop,
+              "kill": lambda rank, step: inject_stop(rank, step, sig="SIGKILL")}
     if kind not in faults:
         sys.exit(f"unknown fault {fault!r}")
     faults[kind](*map(int, params))

@@ -33,6 +33,7 @@ import torch
 
 from utils.distributed_utils import any_rank, broadcast_object, gather_objects
 from utils.errors import RUNTIME_EXIT, UserError
+from utils.fsdp import full_state_dict, is_sharded, load_full_state_dict, load_sharded, remove_sharded, save_sharded
 from utils.optim import load_optimizer_state
 
 
@@ -83,7 +84,7 @@ def set_rng_state(state):
 def remove_stale_temps(ckpt_dir):
     """Temp files left by a process killed mid-save; the renamed checkpoints are untouched."""
     for tmp in Path(ckpt_dir).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def atomic_save(obj, path):
@@ -124,14 +125,16 @@ def atomic_link(src, dst):
 
 
 def make_state(model, optimizer, scheduler, scaler, epoch, global_step, best_acc, config, classes,
-               ranks=None, epoch_step=0, epoch_lr=None, data=None, ema=None, best_weights="model"):
+               ranks=None, epoch_step=0, epoch_lr=None, data=None, ema=None, best_weights="model", sharded=None):
     """The checkpoint dict. `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
     (distributed_utils.gather_objects); `epoch_step` > 0 marks a checkpoint written mid-epoch. With an EMA
-    (utils.optim.WeightEMA) its weights are kept under "ema"."""
+    (utils.optim.WeightEMA) its weights are kept under "ema". `model` may be a state dict already (FSDP's
+    full weights); `sharded` names the directory holding an FSDP run's model and optimizer shards."""
     extra = {"ema": strip_wrapper_prefixes(ema.module.state_dict())} if ema is not None else {}
+    extra.update({"sharded": sharded} if sharded else {})
     return {**extra,
-        "model": strip_wrapper_prefixes(unwrap(model).state_dict()),
-        "optimizer": optimizer.state_dict(),
+        "model": strip_wrapper_prefixes(model if isinstance(model, dict) else unwrap(model).state_dict()),
+        "optimizer": {} if sharded else optimizer.state_dict(),  # FSDP's is in the shards
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "epoch": epoch,                 # epochs completed; a resumed run starts at this index
@@ -214,6 +217,8 @@ def load_checkpoint(path, map_location):
     if not isinstance(state, dict) or not {"model", "optimizer", "epoch"} <= set(state):
         raise UserError(f"'{path}' is not a training checkpoint of this template "
                         "(for a plain weights file use --weights)")
+    if state.get("sharded"):  # an FSDP run's shards: a directory beside the file
+        state["sharded"] = str(Path(path).parent / state["sharded"])
     return state
 
 
@@ -252,8 +257,7 @@ def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None
     a resumed run keeps the schedule it started with.
     """
     check_compatible(state, model, classes, model_name)
-    unwrap(model).load_state_dict(state["model"])
-    load_optimizer_state(optimizer, state["optimizer"])  # keeps this run's fused/foreach flags
+    _restore_weights_and_optimizer(state, unwrap(model), optimizer)
     scheduler.load_state_dict(state["scheduler"])
     # A bf16, fp32 or CPU run saves an empty scaler state ({}), which GradScaler refuses to load:
     # an fp16 run resumed from it starts its loss scale afresh.
@@ -264,6 +268,33 @@ def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None
     elif ema is not None:
         ema.reset()
     return state["epoch"], state["global_step"], state["best_acc"]
+
+
+def load_weights(model, weights):
+    """A full state dict (a checkpoint's "model") into the run's model, plain or sharded (every rank)."""
+    if is_sharded(unwrap(model)):
+        load_full_state_dict(unwrap(model), weights)
+    else:
+        unwrap(model).load_state_dict(weights)
+
+
+def _restore_weights_and_optimizer(state, model, optimizer):
+    """Today's checkpoints hold both whole; an FSDP run's hold them in shards (state["sharded"])."""
+    sharded = state.get("sharded")
+    if is_sharded(model) != bool(sharded):
+        how = ("its optimizer state is sharded (train_multi_gpu_fsdp.py): resume with that script" if sharded else
+               "it holds no sharded state (it is not from train_multi_gpu_fsdp.py): resume with the script that "
+               "wrote it")
+        raise UserError(f"cannot resume this checkpoint here: {how}, or start from its weights with --weights FILE",
+                        every_rank=True)
+    if not sharded:
+        model.load_state_dict(state["model"])
+        load_optimizer_state(optimizer, state["optimizer"])  # keeps this run's fused/foreach flags
+        return
+    if not Path(sharded).is_dir():
+        raise UserError(f"the sharded state '{sharded}' of this checkpoint is gone (only last.pt's is kept); "
+                        "resume from last.pt, or start from its weights with --weights FILE", every_rank=True)
+    load_sharded(model, optimizer, sharded)
 
 
 def resume_command(run_dir, world_size=1, local_world_size=1, argv=None):
@@ -338,14 +369,22 @@ class Checkpointer:
     def save(self, epoch, global_step, best_acc, is_best=False, epoch_step=0, loss_sum=0.0,
              images_seen=0, epoch_lr=None, best_weights="model"):
         ranks = gather_objects({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
-        error = None
+        model, sharded, error = self.model, None, None
+        if is_sharded(self.model):  # every rank writes its shards, then gathers the full weights to rank 0
+            sharded = f"sharded-e{epoch:03d}-s{global_step:08d}-{os.getpid()}"
+            sharded = broadcast_object(sharded)
+            save_sharded(self.model, self.optimizer, self.ckpt_dir, sharded, self.rank)
+            model = full_state_dict(self.model)
         if self.rank == 0:
-            state = make_state(self.model, self.optimizer, self.scheduler, self.scaler, epoch, global_step,
+            state = make_state(model, self.optimizer, self.scheduler, self.scaler, epoch, global_step,
                                best_acc, self.config, self.classes, ranks=ranks, epoch_step=epoch_step,
-                               epoch_lr=epoch_lr, data=self.layout, ema=self.ema, best_weights=best_weights)
+                               epoch_lr=epoch_lr, data=self.layout, ema=self.ema, best_weights=best_weights,
+                               sharded=sharded)
             try:
                 # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
                 save_checkpoint(state, self.ckpt_dir, is_best, self.keep_last if epoch_step == 0 else 0)
+                if sharded:
+                    remove_sharded(self.ckpt_dir, keep=sharded)
             except UserError as e:
                 error = e
         # Every rank joins this vote, so a failed save on rank 0 stops all ranks instead of

@@ -15,7 +15,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -62,6 +62,8 @@ class ModelConfig:
     sync_bn: bool = MISSING
     channels_last: bool = MISSING
     bn_momentum: Optional[float] = MISSING
+    activation_checkpointing: bool = MISSING
+    blocks: List[str] = MISSING
 
 
 @dataclass

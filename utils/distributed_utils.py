@@ -4,6 +4,7 @@ torchrun (and srun) describe each process through the environment (the old
 launcher's --local-rank becomes LOCAL_RANK in utils/config.py). Rule used everywhere:
 every rank calls every collective; only the side effects (files, prints, bars) are rank-0 guarded.
 """
+import contextlib
 import datetime
 import inspect
 import os
@@ -223,6 +224,23 @@ def _join(kwargs, dev, rank):
         raise UserError(f"rank {rank} could not join the process group at {where}: "
                         f"{str(e).splitlines()[0]}; if the port is in use (another run?), pick a free "
                         "one: torchrun --master_port=PORT, or --standalone", exit_code=RUNTIME_EXIT) from None
+
+
+@contextlib.contextmanager
+def no_sync(model):
+    """Gradient accumulation's non-final micro-batches: gradients only add up locally, with no
+    all-reduce (DDP's no_sync) or reduce-scatter (FSDP2's set_requires_gradient_sync(False))."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def convert_sync_bn(model, enabled, device, verbose=True):

@@ -1,0 +1,153 @@
+"""train_multi_gpu_fsdp.py and utils/fsdp.py: FSDP2 on 2 gloo processes on the CPU.
+
+    python -m pytest tests/test_fsdp.py -q
+
+One worker launch (tests/_fsdp_worker.py) compares sharded training with DDP, the shards'
+sizes, the full state dict, activation checkpointing and bf16; the entry-script tests run the
+real scripts under torchrun: a run whose rank is killed mid-epoch and restarted by torchrun ends
+with DDP's weights bit for bit, and predict.py, export.py and --eval-only take its run directory.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from _resume_utils import load, metrics, run_args
+from conftest import REPO, free_port, make_image_folder, run_entry
+from utils import fsdp
+from utils.errors import UserError
+
+pytestmark = pytest.mark.skipif(fsdp.fully_shard is None or fsdp.TORCH_VERSION < fsdp.CPU_FSDP_TORCH,
+                                reason="FSDP2 on the CPU needs torch >= 2.6 (2.4 and 2.5 need CUDA streams)")
+FSDP, DDP = "train_multi_gpu_fsdp.py", "train_multi_gpu_ddp.py"
+# BatchNorm everywhere, 20 blocks by the generic rule, and 1/30 of resnet18's weights to save at each step.
+SMALL = "model.name=shufflenet_v2_x0_5"
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_worker")
+    r = run_entry("tests/_fsdp_worker.py", out, nproc=2)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+
+
+@pytest.mark.slow
+def test_sharded_training_equals_ddp_bit_for_bit_batchnorm_resnet_and_vit(worker):
+    for rank in worker:
+        assert rank["resnet_tensors"] == 74 and rank["vit_tensors"] == 32
+        assert rank["resnet_differ"] == [] and rank["vit_differ"] == []  # AdamW + accumulation; SGD
+    assert 0 < worker[0]["vit_clipped_max_relative"] < 1e-5  # clipped: equal up to the norm's rounding
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_of_the_parameters_gradients_and_adamw_state(worker):
+    total = worker[0]["resnet_full_params"]
+    for rank in worker:
+        assert rank["resnet_local_params"] * 2 == total
+        assert rank["grad_local"] * 2 == total
+        assert rank["optimizer_local"] == {"exp_avg": total // 2, "exp_avg_sq": total // 2}
+        assert rank["resnet_chunks_ok"] and rank["vit_chunks_ok"]  # each tensor: its first dimension's chunk
+    assert worker[0]["vit_local_params"] + worker[1]["vit_local_params"] == worker[0]["vit_full_params"]
+
+
+@pytest.mark.slow
+def test_full_state_loads_into_a_plain_model_with_the_same_eval_output(worker):
+    assert worker[0]["plain_equal"] is True  # strict=True into torchvision's ResNet, bit-identical logits
+    assert all(rank["reloaded_equal"] for rank in worker)  # and back into a sharded one
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_keeps_the_weights_and_counts_batchnorm_once(worker):
+    assert worker[0]["checkpointed_blocks"] == ["layer1", "layer2", "layer3", "layer4"]
+    assert worker[0]["checkpointing_differ"] == []
+    assert worker[0]["batches_tracked"] == 4  # 4 forwards; a second update per recompute would make 8
+
+
+@pytest.mark.slow
+def test_bf16_with_batchnorm_computes_and_keeps_batchnorm_fp32(worker):
+    for rank in worker:
+        assert rank["bf16_finite"] and rank["bf16_logits"] == "torch.float32" and rank["bf16_bn_dtype"] == "torch.float32"
+
+
+# --------------------------------------------------------------------------- the entry script
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A DDP run, and the same FSDP run whose rank 1 is SIGKILLed at step 5 of 6 and restarted by torchrun."""
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    data = make_image_folder(root / "flowers")  # 2 ranks x 3 steps per epoch
+    extra = (SMALL, "train.log_every=1", "train.save_every_steps=1")
+    ddp, sharded = root / "ddp", root / "fsdp"
+    r = run_entry(DDP, *run_args(data, ddp, *extra, epochs=2), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / "tests" / "_faults.py"),
+           "kill:1:4", FSDP, *run_args(data, sharded, *extra, epochs=2, flags=["--resume", "auto"])]
+    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {"data": data, "ddp": ddp, "fsdp": sharded, "killed": killed}
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_from_the_sharded_checkpoint_and_ends_with_ddps_weights(runs):
+    killed, out = runs["killed"], runs["fsdp"]
+    assert killed.returncode == 0, (killed.stdout + killed.stderr)[-4000:]
+    resumed = [x for x in killed.stdout.splitlines() if "resumed from" in x]
+    assert len(resumed) == 1 and "at epoch 2 after its step 1" in resumed[0], killed.stdout[-3000:]
+    a, b = load(runs["ddp"] / "checkpoints" / "last.pt"), load(out / "checkpoints" / "last.pt")
+    assert a["model"].keys() == b["model"].keys()
+    assert [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])] == []
+    assert (a["scheduler"], a["global_step"], a["best_acc"]) == (b["scheduler"], b["global_step"], b["best_acc"])
+    assert metrics(runs["ddp"]) == metrics(out)
+    shards = sorted(p.name for p in (out / "checkpoints").glob("sharded-*"))
+    assert shards == [b["sharded"]] and not list((out / "checkpoints").glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_predict_export_and_eval_only_take_the_fsdp_run(runs, tmp_path):
+    import export
+    import predict
+    out = runs["fsdp"]
+    rows = predict.main([str(out), str(runs["data"] / "daisy"), "--out", str(tmp_path / "p.csv"), "--device", "cpu"])
+    assert len(rows) == 6
+    assert export.main([str(out), "--format", "torchscript", "--out", str(tmp_path / "m.pt")]) <= 1e-4
+    # Batch 2: rank 0 has 2 validation batches, rank 1 one; the sharded forwards must still pair up.
+    r = run_entry(FSDP, *run_args(runs["data"], tmp_path / "e", SMALL, "train.batch_size=2",
+                                  flags=["--eval-only", "--resume", out / "checkpoints" / "last.pt"]), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "e" / "eval.json").read_text())["val_acc"] == metrics(out)[-1]["val_acc"]
+
+
+# --------------------------------------------------------------------------- refusals and block rules
+
+def test_what_fsdp_cannot_do_is_one_error_line_before_any_data(tmp_path):
+    r = run_entry(FSDP, *run_args(tmp_path / "absent", tmp_path / "run"), "train.ema_decay=0.9")
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and "train.ema_decay" in errors[0], r.stderr[-2000:]
+    from utils.config import load_config
+    for override, key in (("train.compile=true", "train.compile"), ("train.amp=fp16", "train.amp=fp16")):
+        with pytest.raises(UserError, match=key):
+            fsdp.check_config(load_config([override]), torch.device("cpu"))
+
+
+def test_block_rule_per_family_and_named_blocks():
+    resnet = torchvision.models.resnet18()
+    assert [n for n, _ in fsdp.find_blocks(resnet)] == ["layer1", "layer2", "layer3", "layer4"]
+    vit = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=3, num_heads=2,
+                                               hidden_dim=8, mlp_dim=8)
+    assert [n for n, _ in fsdp.find_blocks(vit)] == [f"encoder.layers.encoder_layer_{i}" for i in range(3)]
+    mobile = torchvision.models.mobilenet_v3_small()
+    assert [n for n, _ in fsdp.find_blocks(mobile)] == [f"features.{i}" for i in range(13)] + ["classifier.0",
+                                                                                              "classifier.3"]
+    own = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4, 2))
+    assert [n for n, _ in fsdp.find_blocks(own)] == ["0", "2", "4"]  # a MODELS entry: the parts with weights
+    assert [n for n, _ in fsdp.find_blocks(resnet, ["BasicBlock", "layer1"])] == \
+        ["layer1"] + [f"layer{i}.{j}" for i in (2, 3, 4) for j in (0, 1)]
+    with pytest.raises(UserError, match="model.blocks: Nope"):
+        fsdp.find_blocks(resnet, ["Nope"])
