@@ -1,52 +1,104 @@
-"""The run's pictures, drawn with matplotlib: confusion matrix, image grids (samples, worst mistakes).
+"""The run's pictures: confusion matrix and image grids (samples, worst mistakes), and one chart.
 
 Each function returns an RGB uint8 array (H, W, 3); RunLogger hands it to TensorBoard
 (add_image) and eval-only runs save it as a PNG (save_png). Only rank 0 calls these.
 
-Matplotlib's object API (Figure + the Agg canvas), not pyplot: no global figure state,
-no display needed, nothing to close.
+The per-epoch pictures are drawn with PIL, straight into pixels, in the DejaVu Sans font that
+matplotlib ships: a few milliseconds each, where a matplotlib figure's text layout took about a
+tenth of a second per picture (BENCHMARKS.md, against timm's train.py). The benchmarks' bar chart
+(grouped_bars) is a matplotlib figure: its object API (Figure + the Agg canvas), not pyplot;
+save_png (eval-only's two files) is matplotlib's imsave.
 """
+import functools
+import importlib.util
+import os
 import warnings
 
 import numpy as np
 import torch
 
+# ColorBrewer's 9-class "Blues" (matplotlib's "Blues" colormap): light for 0, dark blue for 1.
+_BLUES = np.array([[247, 251, 255], [222, 235, 247], [198, 219, 239], [158, 202, 225], [107, 174, 214],
+                   [66, 146, 198], [33, 113, 181], [8, 81, 156], [8, 48, 107]], dtype=np.float64)
+_COLOURS = {"black": (0, 0, 0), "white": (255, 255, 255), "firebrick": (178, 34, 34), "forestgreen": (34, 139, 34)}
 
-def _render(fig):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    canvas = FigureCanvasAgg(fig)
+
+@functools.lru_cache(maxsize=None)
+def _font(size):
+    """DejaVu Sans from matplotlib's own files (found, not imported); PIL's built-in font without it.
+    A glyph the font lacks (e.g. a class name in Chinese) is drawn as a box."""
+    from PIL import ImageFont
+    spec = importlib.util.find_spec("matplotlib")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "mpl-data", "fonts", "ttf", "DejaVuSans.ttf")
+        if os.path.isfile(path):
+            return ImageFont.truetype(path, size)
+    return ImageFont.load_default()
+
+
+def _size(text, font):
+    left, top, right, bottom = font.getbbox(text)
+    return right - left, bottom - top
+
+
+def _text(draw, xy, text, size, fill="black", anchor="mm"):
+    """Text at xy (anchor: PIL's two letters, e.g. "mm" centred, "rm" right-middle); lines stack."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a class name in a script the font lacks: drawn as boxes, no warning per glyph
-        canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+        warnings.simplefilter("ignore")  # a glyph the font lacks: drawn as a box, no warning per glyph
+        draw.multiline_text(xy, text, fill=_COLOURS.get(fill, fill), font=_font(size), anchor=anchor,
+                            align="center", spacing=1)
 
 
-def _figure(width, height, layout="constrained"):
-    from matplotlib.figure import Figure
-    return Figure(figsize=(width, height), dpi=100, layout=layout)
+def _blues(share):
+    """Shares in [0, 1] -> RGB, interpolated along the Blues scale."""
+    x = np.clip(np.asarray(share, dtype=np.float64), 0, 1) * (len(_BLUES) - 1)
+    low = np.minimum(x.astype(int), len(_BLUES) - 2)
+    t = (x - low)[..., None]
+    return np.rint(_BLUES[low] * (1 - t) + _BLUES[low + 1] * t).astype(np.uint8)
+
+
+def _rotated_label(text, size, angle):
+    """A text label as an RGBA image turned by `angle` degrees (counter-clockwise), to paste."""
+    from PIL import Image, ImageDraw
+    w, h = _size(text, _font(size))
+    label = Image.new("RGBA", (w + 4, h + 6), (255, 255, 255, 0))
+    _text(ImageDraw.Draw(label), (2, (h + 6) // 2), text, size, anchor="lm")
+    return label.rotate(angle, expand=True, resample=Image.BICUBIC)
 
 
 def confusion_matrix_image(confusion, classes):
     """Rows: true class (with its accuracy), columns: predicted; colour = share of the row, counts written in."""
+    from PIL import Image, ImageDraw
     cm = np.asarray(confusion, dtype=np.float64)
     n = len(classes)
     share = cm / np.maximum(cm.sum(axis=1, keepdims=True), 1)
-    side = min(3 + 0.45 * n, 16)
-    fig = _figure(side + 1.2, side, layout=None)
-    ax = fig.add_axes((0.3, 0.22, 0.66, 0.68))
-    ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     acc = np.diag(share)
-    ax.set_xticks(range(n), [str(c) for c in classes], rotation=45 if n > 3 else 0, ha="right" if n > 3 else "center")
-    ax.set_yticks(range(n), [f"{c} ({a:.0%})" for c, a in zip(classes, acc)])
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true class (its accuracy)")
+    cell = int(np.clip(600 // max(n, 1), 12, 56))
+    rows = [f"{c} ({a:.0%})" for c, a in zip(classes, acc)]
+    cols = [_rotated_label(str(c), 11, 45 if n > 3 else 0) for c in classes]
+    left = max(_size(r, _font(11))[0] for r in rows) + 40  # row labels, and the axis label beside them
+    top, bottom = 36, max(c.height for c in cols) + 30
+    width, height = max(left + n * cell + 20, 360), top + n * cell + bottom
+    img = Image.new("RGB", (width, height), "white")
+    grid = _blues(share).repeat(cell, axis=0).repeat(cell, axis=1)
+    img.paste(Image.fromarray(grid), (left, top))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle((left - 1, top - 1, left + n * cell, top + n * cell), outline=(0, 0, 0))
     total = cm.sum()
-    ax.set_title(f"{int(total)} images, accuracy {np.trace(cm) / max(total, 1):.1%}", fontsize=10)
+    _text(draw, (left + n * cell // 2, top // 2), f"{int(total)} images, accuracy {np.trace(cm) / max(total, 1):.1%}",
+          12)
+    for i, (row, col) in enumerate(zip(rows, cols)):
+        _text(draw, (left - 6, top + i * cell + cell // 2), row, 11, anchor="rm")
+        x = left + i * cell + cell // 2  # the label ends under its column's centre
+        img.paste(col, (x - col.width if n > 3 else x - col.width // 2, top + n * cell + 4), col)
     if n <= 25:  # counts stay legible up to ~25 classes
         for i, j in zip(*np.nonzero(cm)):
-            ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=8,
-                    color="white" if share[i, j] > 0.5 else "black")
-    return _render(fig)
+            _text(draw, (left + j * cell + cell // 2, top + i * cell + cell // 2), str(int(cm[i, j])),
+                  max(8, min(11, cell // 3)), fill="white" if share[i, j] > 0.5 else "black")
+    _text(draw, (left + n * cell // 2, height - 12), "predicted", 11)
+    ylabel = _rotated_label("true class (its accuracy)", 11, 90)
+    img.paste(ylabel, (4, top + max(0, (n * cell - ylabel.height) // 2)), ylabel)
+    return np.asarray(img).copy()
 
 
 def denormalize(images, mean=None, std=None):
@@ -61,45 +113,41 @@ def denormalize(images, mean=None, std=None):
 
 
 def image_grid(images, titles, colours=None, title=None, cols=None, cell=112):
-    """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`).
-
-    One mosaic in one Axes (captions as text), not an Axes per image: a grid of 16 costs
-    about as much to draw as one picture.
-    """
+    """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`), in one mosaic."""
+    from PIL import Image, ImageDraw
     n = len(images)
+    head = 28 if title else 0
     if n == 0:  # e.g. no misclassified image this epoch: say so instead of leaving a gap in the series
-        fig = _figure(4, 1)
-        fig.text(0.5, 0.5, f"{title or ''}\nnone", ha="center", va="center", fontsize=10)
-        return _render(fig)
+        img = Image.new("RGB", (400, 100), "white")
+        _text(ImageDraw.Draw(img), (200, 50), f"{title or ''}\nnone", 12)
+        return np.asarray(img).copy()
     cols = cols or min(n, 8)
     rows = -(-n // cols)
     pad, caption = 8, 30  # pixels between cells, and above each cell for its caption
     cells = torch.nn.functional.interpolate(images.float(), size=(cell, cell), mode="nearest")
-    mosaic = np.ones((rows * (cell + caption + pad), cols * (cell + pad), 3), dtype=np.float32)
+    pixels = (cells.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    width = max(cols * (cell + pad), 480 if title else 0)
+    margin = (width - cols * (cell + pad)) // 2 + pad // 2  # the mosaic centred under a wider title
+    mosaic = np.full((head + rows * (cell + caption + pad), width, 3), 255, dtype=np.uint8)
     for i in range(n):
-        y, x = (i // cols) * (cell + caption + pad) + caption, (i % cols) * (cell + pad)
-        mosaic[y:y + cell, x:x + cell] = cells[i].permute(1, 2, 0).numpy()
-    head = 0.35 if title else 0.0
-    height, width = mosaic.shape[0] / 100, max(mosaic.shape[1] / 100, 4.8 if title else 0)
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(width, height + head), dpi=100)
-    ax = fig.add_axes((0, 0, 1, height / (height + head)))
-    ax.imshow(mosaic, interpolation="nearest")
-    ax.set_xlim(-0.5 - (width * 100 - mosaic.shape[1]) / 2, mosaic.shape[1] - 0.5 + (width * 100 - mosaic.shape[1]) / 2)
-    ax.axis("off")
+        y, x = head + (i // cols) * (cell + caption + pad) + caption, margin + (i % cols) * (cell + pad)
+        mosaic[y:y + cell, x:x + cell] = pixels[i]
+    img = Image.fromarray(mosaic)
+    draw = ImageDraw.Draw(img)
     for i in range(n):
-        y, x = (i // cols) * (cell + caption + pad) + caption - 2, (i % cols) * (cell + pad) + cell / 2
-        ax.text(x, y, titles[i], ha="center", va="bottom", fontsize=7, linespacing=1.1,
-                color=(colours[i] if colours else "black"))
+        y, x = head + (i // cols) * (cell + caption + pad) + caption - 2, margin + (i % cols) * (cell + pad) + cell // 2
+        _text(draw, (x, y), titles[i], 9, fill=colours[i] if colours else "black", anchor="md")
     if title:
-        fig.text(0.5, 1 - head / (height + head) / 2, title, ha="center", va="center", fontsize=10)
-    return _render(fig)
+        _text(draw, (width // 2, head // 2 + 2), title, 12)
+    return np.asarray(img).copy()
 
 
 def grouped_bars(groups, series, values, colours, title, ylabel, size=(7.2, 4.2)):
     """Bars per group (x) and series (colour), each labelled with its value; values[(group, series)],
     a missing pair is left out. The picture is exactly size x 100 pixels."""
-    fig = _figure(*size)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=size, dpi=100, layout="constrained")
     ax = fig.add_subplot()
     width = 0.8 / max(len(series), 1)
     for si, name in enumerate(series):
@@ -113,7 +161,9 @@ def grouped_bars(groups, series, values, colours, title, ylabel, size=(7.2, 4.2)
     ax.margins(y=0.15)
     if series:
         ax.legend(fontsize=8)
-    return _render(fig)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def save_png(image, path):
