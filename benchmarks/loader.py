@@ -15,12 +15,14 @@ device:
              RandomHorizontalFlip + ToTensor + Normalize, DataLoader(shuffle,
              drop_last, pin_memory on CUDA).
 The same worker count for both: min(8, CPU cores), the template's own rule on
-CUDA, unless --workers. A run builds a fresh loader and times --batches
-batches from iter() (worker start included) until the last one has arrived (on
-CUDA: is on the device, synced). Runs alternate template, reference, template...
---repeats times; each pair gives a ratio, and the printed ratio is the median
-of the pairs of this one invocation (a shared machine's load drifts; pairs
-taken seconds apart see the same load).
+CUDA, unless --workers. A run is one whole epoch, timed from iter() until its
+last batch has arrived (on CUDA: is on the device, synced), after one untimed
+epoch of each: as in a training run's later epochs, the reference pays its
+worker start every epoch and the template's persistent workers do not. Whole epochs, so that no run leaves
+prefetched work behind that would compete with the next. Runs alternate
+template, reference, template... --repeats times; each pair gives a ratio, and
+the printed ratio is the median of the pairs of this one invocation (a shared
+machine's load drifts; pairs taken seconds apart see the same load).
 
 Sets (generated on first use into data/, git-ignored, kept):
   flowers  demo/flowers.py at flower_photos' class sizes: 3,670 JPEGs, 240-500 px
@@ -75,8 +77,8 @@ def parse_args(argv=None):
             setattr(args, k, v)
     if args.workers is None:
         args.workers = max(1, min(8, os.cpu_count() or 1))
-    # Per set: (batch size, batches per run). A photo takes ~60 ms to decode on one core: small batches.
-    args.shape = {"flowers": (8, 2) if q else (128, 16), "photos": (4, 2) if q else (16, 3)}
+    # Batch size per set. A photo takes ~60 ms to decode on one core: small batches.
+    args.batch = {"flowers": 8 if q else 128, "photos": 4 if q else 16}
     args.sets = [s for s in args.sets.split(",") if s]
     unknown = set(args.sets) - set(GOALS)
     if unknown:
@@ -135,11 +137,11 @@ def reference_loader(root, args, batch, device):
                                        generator=torch.Generator().manual_seed(0))
 
 
-def timed_run(loader, batches, device):
-    """Seconds from iter() until `batches` batches are on `device`, the images counted, one batch's look."""
+def timed_run(loader, device):
+    """Seconds from iter() until the epoch's batches are on `device`, the images counted, one batch's look."""
     start, images, look = time.perf_counter(), 0, None
     it = iter(loader)
-    for _ in range(batches):
+    for _ in range(len(loader)):
         x, _ = next(it)
         x = x.to(device, non_blocking=True)
         images += x.shape[0]
@@ -147,29 +149,29 @@ def timed_run(loader, batches, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    del it  # shuts the workers down, outside the timed region
+    del it  # the reference's workers end here, outside the timed region
     return seconds, images, look
 
 
 def measure_set(name, root, args, device):
-    batch, batches = args.shape[name]
+    batch = args.batch[name]
     loaders = {"template": template_loader(root, args, batch, device),
                "reference": reference_loader(root, args, batch, device)}
-    n = min(len(loaders["template"]), len(loaders["reference"]))
-    if n < batches:
-        raise SystemExit(f"error: {root} gives {n} batches of {batch}, fewer than the {batches} a run times")
+    assert len(loaders["template"]) == len(loaders["reference"]), "the same files, the same epoch"
+    for loader in loaders.values():
+        timed_run(loader, device)  # warm-up: file cache, persistent workers started
     rates = {k: [] for k in loaders}
     looks = {}
     for r in range(args.repeats):
         for kind, loader in loaders.items():
-            seconds, images, looks[kind] = timed_run(loader, batches, device)
+            seconds, images, looks[kind] = timed_run(loader, device)
             rates[kind].append(images / seconds)
             print(f"{name} repeat {r + 1}/{args.repeats} {kind}: {images} images in {seconds:.2f}s = "
                   f"{images / seconds:.1f} img/s", flush=True)
     pairs = [t / ref for t, ref in zip(rates["template"], rates["reference"])]
     ratio = statistics.median(pairs)
     return {"root": str(root), "files": len(loaders["reference"].dataset), "batch_size": batch,
-            "batches_per_run": batches, "template": {"img_per_s": statistics.median(rates["template"]),
+            "batches_per_run": len(loaders["template"]), "template": {"img_per_s": statistics.median(rates["template"]),
                                                      "runs": rates["template"], **looks["template"]},
             "reference": {"img_per_s": statistics.median(rates["reference"]), "runs": rates["reference"],
                           **looks["reference"]},
