@@ -42,6 +42,9 @@ from utils.run_logger import RunLogger
 from utils.stop import StopRequest
 
 _NO_BAD_STEP = 2 ** 62
+# A run whose loop waits for batches in more than this share of most of an epoch's log windows is
+# input-bound: rank 0 says so once (train/data_wait, docs/troubleshooting.md).
+DATA_WAIT_HINT = 0.2
 
 
 # --------------------------------------------------------------------------- the loss and the metrics
@@ -198,10 +201,34 @@ class _Window:
         self.sums["grad_norm"] += torch.where(finite, norm, 0.0)
         self.sums["finite_norms"] += finite
 
-    def totals(self, stop_requested):
-        """Every rank's sums, and whether any rank was asked to stop (riding in the same all-reduce)."""
+    def totals(self, stop_requested, waited):
+        """Every rank's sums, whether any rank was asked to stop and the seconds the ranks waited for
+        batches (host values, riding in the same all-reduce)."""
         flag = self.sums["loss"].new_tensor(float(stop_requested))
-        return reduce_sums({**self.sums, "stop": flag})
+        return reduce_sums({**self.sums, "stop": flag, "waited": self.sums["loss"].new_tensor(waited)})
+
+
+class _Waits:
+    """The loader's batches, timed on the host: the seconds the loop spent waiting for the next one
+    (no device sync; on CUDA the steps run ahead of the host until a window's end reads them)."""
+
+    def __init__(self, batches):
+        self.batches, self.seconds = batches, 0.0
+
+    def __iter__(self):
+        batches, end = iter(self.batches), object()
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches, end)
+            if batch is end:
+                return
+            self.seconds += time.perf_counter() - asked
+            yield batch
+
+    def take(self):
+        """The seconds waited since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None):
@@ -214,6 +241,8 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     rank calls hooks.save_step; after a stop it returns {"stopped": True, "global_step": ...}.
     Under clipping, train/grad_norm is the window's mean pre-clip norm over the steps with finite
     gradients, and train/skipped_steps counts the others (fp16's GradScaler skipped them).
+    train_data_wait: the share of the windows' time the ranks (on average) waited for batches;
+    input_bound: whether most windows waited more than DATA_WAIT_HINT of their time.
     """
     hooks = hooks or EpochHooks()
     logger = hooks.logger or RunLogger(".", enabled=False)
@@ -229,7 +258,9 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     step.optimizer.zero_grad(set_to_none=True)
     clipped = [p for g in step.optimizer.param_groups for p in g["params"]] if step.clip_grad_norm else []
     # islice: a tail that makes no whole step is not even loaded.
-    bar = logger.progress(itertools.islice(batches, used - skip), used - skip, f"{label} train")
+    waits = _Waits(itertools.islice(batches, used - skip))
+    bar = logger.progress(waits, used - skip, f"{label} train")
+    wait_shares, waited, windows_seconds = [], 0.0, 0.0
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, step.device, step.channels_last)
         if i == 0 and hooks.first_batch is not None:
@@ -251,9 +282,11 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         if window.steps < hooks.log_every and not last and not alone_stopping:
             continue
         # The one host sync (and all-reduce) per window; every rank reaches it at the same step.
-        stopping = _close_window(step, hooks, logger, window, epoch, global_step,
-                                 (bar, label, (i + 1) // step.accum_steps, used // step.accum_steps,
-                                  (time.perf_counter() - start) / (i + 1 - skip) * (used - i - 1)))
+        stopping, wait, seconds = _close_window(step, hooks, logger, window, epoch, global_step, waits.take(),
+                                                (bar, label, (i + 1) // step.accum_steps, used // step.accum_steps,
+                                                 (time.perf_counter() - start) / (i + 1 - skip) * (used - i - 1)))
+        wait_shares.append(wait / seconds)
+        waited, windows_seconds = waited + wait, windows_seconds + seconds
         window = _Window(step.device, time.perf_counter())
         # The epoch's last step is followed by evaluation and the epoch checkpoint anyway.
         if hooks.save_step is not None and not last and (stopping or (next_save and global_step >= next_save)):
@@ -265,7 +298,14 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     epoch_totals = reduce_sums({"loss": loss_sum, "images": loss_sum.new_tensor(float(images_seen))})
     return {"train_loss": epoch_totals["loss"] / epoch_totals["images"],
             "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
-            "train_seconds": seconds, "global_step": global_step}
+            "train_seconds": seconds, "train_data_wait": waited / max(windows_seconds, 1e-9),
+            "global_step": global_step, "input_bound": _input_bound(wait_shares)}
+
+
+def _input_bound(wait_shares):
+    """Whether the loop waited for batches in over DATA_WAIT_HINT of most of the epoch's log windows:
+    a slow start (the workers' first batches) alone does not count."""
+    return sum(share > DATA_WAIT_HINT for share in wait_shares) * 2 > len(wait_shares)
 
 
 def _skip_trained(batches, resume):
@@ -284,10 +324,12 @@ def _stop_requested(hooks):
     return hooks.stop is not None and hooks.stop.requested()
 
 
-def _close_window(step, hooks, logger, window, epoch, global_step, progress):
-    """Read the window's sums (one all-reduce), stop on a non-finite loss, log; True if any rank
-    was asked to stop. progress: (bar, label, epoch's step, its steps, seconds to the epoch's end)."""
-    totals = window.totals(_stop_requested(hooks))
+def _close_window(step, hooks, logger, window, epoch, global_step, waited, progress):
+    """Read the window's sums (one all-reduce), stop on a non-finite loss, log. waited: this rank's
+    seconds spent waiting for batches in the window. Returns (whether any rank was asked to stop,
+    the ranks' mean wait, the window's seconds). progress: (bar, label, epoch's step, its steps,
+    seconds to the epoch's end)."""
+    totals = window.totals(_stop_requested(hooks), waited)
     world = hooks.world_size
     loss = totals["loss"] / (window.batches * world)
     if not math.isfinite(loss):
@@ -295,19 +337,20 @@ def _close_window(step, hooks, logger, window, epoch, global_step, progress):
         raise UserError(f"loss is {loss} at epoch {epoch + 1}, step {bad}; stopping. "
                         "The last good checkpoint is kept. Try a lower --lr or train.amp=off.",
                         exit_code=RUNTIME_EXIT, every_rank=True)
-    now = time.perf_counter()
+    seconds = max(time.perf_counter() - window.start, 1e-9)
     lr = step.optimizer.param_groups[0]["lr"]
     bar, label, epoch_step, epoch_steps, eta = progress
-    logger.window(bar, label, epoch_step, epoch_steps, loss, window.images * world / max(now - window.start, 1e-9),
-                  lr, eta)
+    logger.window(bar, label, epoch_step, epoch_steps, loss, window.images * world / seconds, lr, eta)
     logger.scalar("train/loss_step", loss, global_step)
+    wait = totals["waited"] / world
+    logger.scalar("train/data_wait_step", min(wait / seconds, 1.0), global_step)  # share of the window
     # The lr the window ended with (a Python float, no sync): warm-up and cosine show as curves.
     logger.scalar("train/lr", lr, global_step)
     if step.clip_grad_norm:  # every rank clips the same reduced gradients: the sums hold world copies
         if totals["finite_norms"]:
             logger.scalar("train/grad_norm", totals["grad_norm"] / totals["finite_norms"], global_step)
         logger.scalar("train/skipped_steps", window.steps - totals["finite_norms"] / world, global_step)
-    return totals["stop"] > 0
+    return totals["stop"] > 0, wait, seconds
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -497,6 +540,7 @@ class _Run:
     saver: ckpt.Checkpointer
     stop: Optional[StopRequest]             # installed for the epochs
     progress: Progress
+    hinted: bool = False                    # the input-bound hint was printed (once per run)
 
 
 def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, script_name):
@@ -645,6 +689,7 @@ def _train_epoch(run, epoch):
     train = train_one_epoch(run.step, run.train_loader, epoch, progress.global_step, hooks, progress.resume_at)
     progress.resume_at = None
     progress.global_step = train.pop("global_step")
+    input_bound = train.pop("input_bound")
     if train.pop("stopped", False):
         _raise_stopped(stop, f"in epoch {epoch + 1}", progress.global_step, run.run_dir, run.dist_info)
     val, worst = _validate(run)
@@ -668,10 +713,22 @@ def _train_epoch(run, epoch):
                     f"val_loss {val['val_loss']:.4f}  val_acc {val['val_acc']:.4f}  "
                     + (f"val_acc_ema {val['val_acc_ema']:.4f}  " if run.step.ema is not None else "")
                     + f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
+    if input_bound and not run.hinted:
+        run.hinted = True
+        run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
     # A signal that came during evaluation: the epoch's checkpoint is already written.
     if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device):
         _raise_stopped(stop, f"after epoch {epoch + 1}", progress.global_step, run.run_dir, run.dist_info)
     return metrics
+
+
+def input_bound_hint(share, epoch, loader):
+    """The one line rank 0 prints when the loop waited for batches in most of an epoch's windows."""
+    workers = getattr(loader, "num_workers", None)
+    now = f" (now {workers})" if workers is not None else ""
+    return (f"note: input-bound: the loop waited for batches in {share:.0%} of epoch {epoch + 1}'s training "
+            f"time (train/data_wait); try more data.num_workers{now}, data.pipeline=gpu, a smaller "
+            "data.img_size, or the data on a local disk; see docs/troubleshooting.md (several GPUs slower than one)")
 
 
 def _validate(run):

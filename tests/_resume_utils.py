@@ -8,7 +8,7 @@ import torch
 from conftest import FAST_ARGS
 
 # Metrics that measure time; everything else in a metrics.jsonl line must match exactly.
-TIMING = {"time", "epoch_seconds", "img_per_s", "train_seconds", "val_seconds"}
+TIMING = {"time", "epoch_seconds", "img_per_s", "train_seconds", "val_seconds", "train_data_wait"}
 
 
 def run_args(data, out, *overrides, epochs=4, flags=()):

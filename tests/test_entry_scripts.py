@@ -27,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import FAST_ARGS, make_image_folder, run_entry
+from engine import DATA_WAIT_HINT
 from model import create_model
 from utils.config import load_config
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 METRIC_KEYS = {"epoch", "train_loss", "val_loss", "val_acc", "lr", "img_per_s", "epoch_seconds"}
 TB_TAGS = {"train/loss": "train_loss", "val/loss": "val_loss", "val/acc": "val_acc",
-           "train/epoch_lr": "lr", "train/img_per_s": "img_per_s"}
+           "train/epoch_lr": "lr", "train/img_per_s": "img_per_s", "train/data_wait": "train_data_wait"}
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 
 WRITE_AUDIT = textwrap.dedent('''
@@ -181,6 +182,9 @@ def test_metrics_jsonl_has_one_line_per_epoch(run):
         assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
         assert all(math.isfinite(r[k]) for k in METRIC_KEYS)
         assert 0.0 <= r["val_acc"] <= 1.0 and r["img_per_s"] > 0 and r["epoch_seconds"] > 0
+        # Tiny images loaded in the main process: a small share of the time (the input-bound case: test_loader.py).
+        assert 0 < r["train_data_wait"] < DATA_WAIT_HINT, r["train_data_wait"]
+    assert "input-bound" not in run.output
     # 0.01 per process; DDP scales it by its 2 processes, DataParallel's batch is already global.
     assert rows[0]["lr"] == pytest.approx(0.02 if run.name == "ddp" else 0.01)
     if run.epochs > 1:

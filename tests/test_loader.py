@@ -1,16 +1,23 @@
-"""The training loader: workers that live across epochs, and sample lists that forked workers read
-without copying them. (A resumed run with such workers: tests/test_resume.py; the lists' memory
-at a million samples: benchmarks/sample_memory.py, run by tests/test_benchmarks.py.)
+"""The training loader: workers that live across epochs, sample lists that forked workers read
+without copying them, and the share of the time the loop waits for batches. (A resumed run with
+such workers: tests/test_resume.py; the lists' memory at a million samples:
+benchmarks/sample_memory.py, run by tests/test_benchmarks.py; a fast run's data wait and no hint:
+tests/test_entry_scripts.py.)
 
     python -m pytest tests/test_loader.py -q
 """
+import json
 import os
 import pickle
+import time
 
 import pytest
 import torch
 
 import data
+import engine
+import train
+from _resume_utils import one_thread, run_args, run_main  # noqa: F401
 from conftest import make_image_folder
 from utils.config import load_config
 
@@ -70,3 +77,30 @@ def test_sample_list_reads_as_the_list_of_pairs_it_packs(tmp_path):
     name = os.fsencode("\udcff-not-utf8.jpg")
     (tmp_path / os.fsdecode(name)).write_bytes(b"")
     assert os.path.exists(data.SampleList([(str(tmp_path / os.fsdecode(name)), 0)])[0][0])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_an_input_bound_run_logs_its_data_wait_and_is_told_once(tmp_path, monkeypatch, capsys):
+    """Each image read 60 ms late (2 epochs of 3 one-step log windows): train/data_wait_step per window
+    in TensorBoard, train_data_wait per epoch in metrics.jsonl and TensorBoard, one hint for the run."""
+    root = make_image_folder(tmp_path / "flowers")  # 25 train images: 3 steps of 8
+    real = data.ImageList.__getitem__
+
+    def late(self, index):
+        time.sleep(0.06)
+        return real(self, index)
+
+    monkeypatch.setattr(data.ImageList, "__getitem__", late)
+    out = tmp_path / "run"
+    assert run_main(train, run_args(root, out, "train.batch_size=8", "train.log_every=1", epochs=2), monkeypatch) == 0
+    hints = [line for line in capsys.readouterr().out.splitlines() if "input-bound" in line]
+    assert len(hints) == 1 and "data.num_workers (now 0)" in hints[0] and "docs/troubleshooting.md" in hints[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(engine.DATA_WAIT_HINT < r["train_data_wait"] <= 1 for r in rows), rows
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out)).Reload()
+    windows = events.Scalars("train/data_wait_step")
+    assert [p.step for p in windows] == [1, 2, 3, 4, 5, 6]
+    assert all(engine.DATA_WAIT_HINT < p.value <= 1 for p in windows)
+    assert [p.value for p in events.Scalars("train/data_wait")] == pytest.approx([r["train_data_wait"] for r in rows])
