@@ -689,7 +689,7 @@ def _train_epoch(run, epoch):
     train = train_one_epoch(run.step, run.train_loader, epoch, progress.global_step, hooks, progress.resume_at)
     progress.resume_at = None
     progress.global_step = train.pop("global_step")
-    input_bound = train.pop("input_bound")
+    input_bound = train.pop("input_bound", False)  # a stopped epoch has none
     if train.pop("stopped", False):
         _raise_stopped(stop, f"in epoch {epoch + 1}", progress.global_step, run.run_dir, run.dist_info)
     val, worst = _validate(run)
