@@ -68,6 +68,13 @@ def local_numels(tensors):
     return sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel() for t in tensors)
 
 
+def chunk_rows(rows, world, rank):
+    """The rows of rank's first-dimension shard as torch.chunk cuts them (FSDP2's split): the last ranks
+    get fewer, or none (a ViT's class token has one row)."""
+    parts = torch.arange(rows).chunk(world)
+    return len(parts[rank]) if rank < len(parts) else 0
+
+
 def main(out):
     info = init_distributed_mode("cpu")
     rank, world, mesh = info.rank, info.world_size, make_mesh(info.device, info.world_size)
@@ -92,9 +99,9 @@ def main(out):
         params = list(sharded.parameters())
         found[f"{name}_local_params"] = local_numels(params)
         found[f"{name}_full_params"] = sum(p.numel() for p in params)
-        found[f"{name}_chunks_ok"] = all(p.to_local().shape[0] == len(torch.arange(p.shape[0]).chunk(world)[rank])
-                                         if len(torch.arange(p.shape[0]).chunk(world)) > rank
-                                         else p.to_local().numel() == 0 for p in params)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        found[f"{name}_chunks_ok"] = all(mine.shape[0] == chunk_rows(p.shape[0], world, rank)
+                                         for p, mine in zip(params, local))
         if name == "resnet":
             found["optimizer_local"] = {k: local_numels(optimizer.state[p][k] for p in params)
                                         for k in ("exp_avg", "exp_avg_sq")}

@@ -72,17 +72,20 @@ def test_activation_checkpointing_keeps_the_weights_and_counts_batchnorm_once(wo
 @pytest.mark.slow
 def test_bf16_with_batchnorm_computes_and_keeps_batchnorm_fp32(worker):
     for rank in worker:
-        assert rank["bf16_finite"] and rank["bf16_logits"] == "torch.float32" and rank["bf16_bn_dtype"] == "torch.float32"
+        assert rank["bf16_finite"] and (rank["bf16_logits"], rank["bf16_bn_dtype"]) == ("torch.float32",) * 2
 
 
 # --------------------------------------------------------------------------- the entry script
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A DDP run, and the same FSDP run whose rank 1 is SIGKILLed at step 5 of 6 and restarted by torchrun."""
+    """A DDP run, and the same FSDP run whose rank 1 is SIGKILLed at step 5 of 6 and restarted by torchrun
+    (each save is a mid-epoch one: save_every_steps=1)."""
     root = tmp_path_factory.mktemp("fsdp_runs")
     data = make_image_folder(root / "flowers")  # 2 ranks x 3 steps per epoch
-    extra = (SMALL, "train.log_every=1", "train.save_every_steps=1")
+    # The recipe options that need nothing of FSDP (loss weights, MixUp/CutMix, the balanced sampler) ride along.
+    extra = (SMALL, "train.log_every=1", "train.save_every_steps=1", "optim.class_weights=auto",
+             "data.mixup_alpha=0.2", "data.cutmix_alpha=0.2", "data.sampler=balanced")
     ddp, sharded = root / "ddp", root / "fsdp"
     r = run_entry(DDP, *run_args(data, ddp, *extra, epochs=2), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -151,3 +154,16 @@ def test_block_rule_per_family_and_named_blocks():
         ["layer1"] + [f"layer{i}.{j}" for i in (2, 3, 4) for j in (0, 1)]
     with pytest.raises(UserError, match="model.blocks: Nope"):
         fsdp.find_blocks(resnet, ["Nope"])
+
+
+def test_an_fsdp_checkpoint_resumed_by_another_script_is_one_error_line(tmp_path):
+    """Its optimizer state is in the shards: train.py or DDP would otherwise load an empty one."""
+    from utils import checkpoint as ckpt
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    state = ckpt.make_state(model.state_dict(), opt, sched, torch.amp.GradScaler("cpu", enabled=False), 1, 3, 0.5,
+                            {}, ["a", "b"], sharded="sharded-e001-s00000003-1")
+    assert state["optimizer"] == {} and torch.equal(state["model"]["weight"], model.weight)
+    with pytest.raises(UserError, match="optimizer state is sharded .train_multi_gpu_fsdp.py"):
+        ckpt.restore(state, model, opt, sched, None, ["a", "b"])

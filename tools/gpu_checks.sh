@@ -542,6 +542,19 @@ wanted scaling && step scaling "$L_SCALING" "$PY" benchmarks/scaling.py $Q --pip
 wanted benchmark_compile && step benchmark_compile "$L_COMPILE" "$PY" benchmarks/benchmark.py $Q $COMPILE \
     --skip e2e,ddp,bare --out-dir "$WORK/bench_compile"
 
+# -- FSDP vs DDP memory, after the step list's last step, on whatever TOTAL leaves --------------------
+# tools/fsdp_memory.py on every visible GPU: vit_l_16, 224 px, batch 32 per GPU, AdamW, bf16: peak memory
+# per GPU and img/s under DDP and FSDP, then the largest of vit_b_16 < vit_l_16 < vit_h_14 <
+# regnet_y_128gf that trains either way; results in R/fsdp_memory.{json,md}. Not rehearsed at full size
+# (no GPU has run it): its limit is reasoned, 4 wrappings x (a start-up, build, 13 steps) plus the
+# ladder's up to 8 more, ~10-20 s each. Runs in a full run (STEPS unset, with QUICK at tiny sizes) or
+# with FSDP_MEMORY=1; FSDP_MEMORY=0 skips it.
+L_FSDP_MEMORY=${L_FSDP_MEMORY:-200}
+if [ "${FSDP_MEMORY:-$([ -z "${STEPS:-}" ] && echo 1)}" = 1 ]; then
+    step fsdp_memory "$L_FSDP_MEMORY" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+        tools/fsdp_memory.py $Q --out-dir "$R"
+fi
+
 # -- results ------------------------------------------------------------------------------------------
 echo
 for f in scaling.md benchmark.md benchmark_compile.md; do [ -f "$R/$f" ] && { cat "$R/$f"; echo; }; done
