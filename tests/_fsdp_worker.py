@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine import Step, train_one_epoch  # noqa: E402
+from engine import Step, evaluate, train_one_epoch  # noqa: E402
 from utils.distributed_utils import broadcast_buffers, broadcast_object, cleanup, init_distributed_mode  # noqa: E402
 from utils.fsdp import checkpoint_blocks, full_state_dict, load_full_state_dict, make_mesh, shard_model  # noqa: E402
 from utils.optim import build_scaler  # noqa: E402
@@ -109,6 +109,12 @@ def main(out):
             torch.nn.functional.cross_entropy(sharded(images), labels).backward()
             found["grad_local"] = local_numels(p.grad for p in params)
             fsdp_model, trained = sharded, b
+        if name == "vit":
+            # Exact evaluation with 2 validation batches on rank 0 and 1 on rank 1: every sharded forward is
+            # a collective, so rank 1 must make a second one; the result is DDP's, to the bit.
+            val = batches(10 + rank, n=2 - rank)
+            found["eval_equal"] = evaluate(sharded, val, info.device, CLASSES) | {"val_seconds": 0} == \
+                evaluate(ddp, val, info.device, CLASSES) | {"val_seconds": 0}
 
     # 3. The full state loads strict into a plain torchvision model: its eval output is the sharded model's.
     images = batches(0)[0][0]

@@ -17,7 +17,7 @@ import torch
 import torchvision
 from torch import nn
 
-from _resume_utils import load, metrics, run_args
+from _resume_utils import load, metrics, run_args, run_main
 from conftest import REPO, free_port, make_image_folder, run_entry
 from utils import fsdp
 from utils.errors import UserError
@@ -57,6 +57,11 @@ def test_each_rank_holds_half_of_the_parameters_gradients_and_adamw_state(worker
 
 
 @pytest.mark.slow
+def test_evaluation_with_uneven_shards_pairs_the_sharded_forwards_and_equals_ddp(worker):
+    assert all(rank["eval_equal"] for rank in worker)
+
+
+@pytest.mark.slow
 def test_full_state_loads_into_a_plain_model_with_the_same_eval_output(worker):
     assert worker[0]["plain_equal"] is True  # strict=True into torchvision's ResNet, bit-identical logits
     assert all(rank["reloaded_equal"] for rank in worker)  # and back into a sharded one
@@ -79,19 +84,19 @@ def test_bf16_with_batchnorm_computes_and_keeps_batchnorm_fp32(worker):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A DDP run, and the same FSDP run whose rank 1 is SIGKILLed at step 5 of 6 and restarted by torchrun
-    (each save is a mid-epoch one: save_every_steps=1)."""
+    """A one-epoch DDP run, and the same FSDP run whose rank 1 is SIGKILLed at its last step, after the
+    mid-epoch save of step 2 of 3, and restarted by torchrun."""
     root = tmp_path_factory.mktemp("fsdp_runs")
     data = make_image_folder(root / "flowers")  # 2 ranks x 3 steps per epoch
     # The recipe options that need nothing of FSDP (loss weights, MixUp/CutMix, the balanced sampler) ride along.
-    extra = (SMALL, "train.log_every=1", "train.save_every_steps=1", "optim.class_weights=auto",
+    extra = (SMALL, "train.log_every=1", "train.save_every_steps=2", "optim.class_weights=auto",
              "data.mixup_alpha=0.2", "data.cutmix_alpha=0.2", "data.sampler=balanced")
     ddp, sharded = root / "ddp", root / "fsdp"
-    r = run_entry(DDP, *run_args(data, ddp, *extra, epochs=2), nproc=2)
+    r = run_entry(DDP, *run_args(data, ddp, *extra, epochs=1), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / "tests" / "_faults.py"),
-           "kill:1:4", FSDP, *run_args(data, sharded, *extra, epochs=2, flags=["--resume", "auto"])]
+           "kill:1:2", FSDP, *run_args(data, sharded, *extra, epochs=1, flags=["--resume", "auto"])]
     killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     return {"data": data, "ddp": ddp, "fsdp": sharded, "killed": killed}
@@ -102,7 +107,7 @@ def test_a_killed_rank_restarts_from_the_sharded_checkpoint_and_ends_with_ddps_w
     killed, out = runs["killed"], runs["fsdp"]
     assert killed.returncode == 0, (killed.stdout + killed.stderr)[-4000:]
     resumed = [x for x in killed.stdout.splitlines() if "resumed from" in x]
-    assert len(resumed) == 1 and "at epoch 2 after its step 1" in resumed[0], killed.stdout[-3000:]
+    assert len(resumed) == 1 and "at epoch 1 after its step 2" in resumed[0], killed.stdout[-3000:]
     a, b = load(runs["ddp"] / "checkpoints" / "last.pt"), load(out / "checkpoints" / "last.pt")
     assert a["model"].keys() == b["model"].keys()
     assert [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])] == []
@@ -113,17 +118,18 @@ def test_a_killed_rank_restarts_from_the_sharded_checkpoint_and_ends_with_ddps_w
 
 
 @pytest.mark.slow
-def test_predict_export_and_eval_only_take_the_fsdp_run(runs, tmp_path):
+def test_predict_export_and_eval_only_take_the_fsdp_run(runs, tmp_path, monkeypatch):
+    """Its last.pt is an ordinary full-weights checkpoint (in this process: no second torch start-up)."""
     import export
     import predict
+    import train
     out = runs["fsdp"]
     rows = predict.main([str(out), str(runs["data"] / "daisy"), "--out", str(tmp_path / "p.csv"), "--device", "cpu"])
     assert len(rows) == 6
     assert export.main([str(out), "--format", "torchscript", "--out", str(tmp_path / "m.pt")]) <= 1e-4
-    # Batch 2: rank 0 has 2 validation batches, rank 1 one; the sharded forwards must still pair up.
-    r = run_entry(FSDP, *run_args(runs["data"], tmp_path / "e", SMALL, "train.batch_size=2",
-                                  flags=["--eval-only", "--resume", out / "checkpoints" / "last.pt"]), nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
+    last = out / "checkpoints" / "last.pt"
+    args = run_args(runs["data"], tmp_path / "e", SMALL, flags=["--eval-only", "--resume", last])
+    assert run_main(train, args, monkeypatch) == 0
     assert json.loads((tmp_path / "e" / "eval.json").read_text())["val_acc"] == metrics(out)[-1]["val_acc"]
 
 
