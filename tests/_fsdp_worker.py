@@ -142,7 +142,10 @@ def main(out):
     found["batches_tracked"] = int(again["bn1.num_batches_tracked"]) if rank == 0 else None
 
     # 5. bf16 compute with BatchNorm: BatchNorm keeps fp32 weights in its own group; the logits come out fp32.
-    mixed = shard_model(resnet(), mesh, amp_dtype=torch.bfloat16, verbose=False)
+    # With activation checkpointing too: a recomputed block gathers its BatchNorms' groups again.
+    mixed = resnet()
+    checkpoint_blocks(mixed)
+    mixed = shard_model(mixed, mesh, amp_dtype=torch.bfloat16, verbose=False)
     train(mixed, sgd, rank, 2, 0.0)
     logits = mixed.train()(batches(rank)[0][0])
     found["bf16_logits"] = str(logits.dtype)
