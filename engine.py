@@ -36,6 +36,7 @@ from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broa
                                      no_sync, reduce_min, reduce_sums, use_channels_last)
 from utils.errors import RUNTIME_EXIT, UserError
 from utils import fsdp
+from utils.gpu_pipeline import normalize
 from utils.optim import (WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler, class_weights,
                          place_schedule, resolve_amp)
 from utils.run_logger import RunLogger
@@ -94,12 +95,27 @@ def seed_for(seed, epoch, rank):
     return (seed * 1_000_003 + epoch * 1009 + rank) % (2 ** 63)
 
 
-def _to_device(images, labels, device, channels_last):
+def input_normalization(dataset, device):
+    """(mean, std) as (1, C, 1, 1) float32 on `device`, for the uint8 batches of `dataset` (or of a
+    transform): its NormalizeOnDevice's, or (0, 1) where it has none, ToTensor's /255 alone. Once a pass."""
+    mean, std = normalization(dataset)
+    return tuple(torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1).to(device, non_blocking=True)
+                 for v in (mean or (0.0,), std or (1.0,)))
+
+
+def model_input(images, device, norm, channels_last=False):
+    """A loader's images -> the model's input on `device`. uint8 images (data.py's transforms) become
+    float, normalised with `norm` (input_normalization) and channels_last there, in one pass, with no
+    host sync; float images were normalised by their transform and are moved as they are."""
     # non_blocking pairs with pin_memory: the copy overlaps with queued GPU work.
     images = images.to(device, non_blocking=True)
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    return images, labels.to(device, non_blocking=True)
+    if images.dtype == torch.uint8:
+        return normalize(images, *norm, channels_last=channels_last)
+    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
+
+
+def _to_device(images, labels, device, channels_last, norm):
+    return model_input(images, device, norm, channels_last), labels.to(device, non_blocking=True)
 
 
 @dataclass
@@ -261,8 +277,9 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     waits = _Waits(itertools.islice(batches, used - skip))
     bar = logger.progress(waits, used - skip, f"{label} train")
     wait_shares, waited, windows_seconds = [], 0.0, 0.0
+    norm = input_normalization(getattr(loader, "dataset", None), step.device)
     for i, (images, labels) in enumerate(bar, start=skip):
-        images, labels = _to_device(images, labels, step.device, step.channels_last)
+        images, labels = _to_device(images, labels, step.device, step.channels_last, norm)
         if i == 0 and hooks.first_batch is not None:
             hooks.first_batch(images, labels)
         images, targets = step.mix(images, labels) if step.mix is not None else (images, labels)
@@ -377,8 +394,9 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     worst = _WorstImages(loader, device, worst_k)
     short = _forwards_short(model, loader)
     start = time.perf_counter()
+    norm = input_normalization(getattr(loader, "dataset", None), device)
     for images, labels in logger.progress(loader, len(loader), "eval"):
-        images, labels = _to_device(images, labels, device, channels_last)
+        images, labels = _to_device(images, labels, device, channels_last, norm)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
         losses = criterion.per_image(logits, labels).double()
@@ -751,8 +769,9 @@ def _validate(run):
 # --------------------------------------------------------------------------- pictures
 
 def normalization(dataset):
-    """(mean, std) of the dataset transform's Normalize step, or (None, None): to undo it in pictures."""
-    for t in getattr(getattr(dataset, "transform", None), "transforms", []):
+    """(mean, std) of the Normalize step (NormalizeOnDevice too) of `dataset.transform`, or of `dataset` when it
+    is a transform itself; (None, None) without one. For the device pass and to undo it in pictures."""
+    for t in getattr(getattr(dataset, "transform", dataset), "transforms", []):
         if hasattr(t, "mean") and hasattr(t, "std"):
             return tuple(t.mean), tuple(t.std)
     return None, None

@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from data import BadImage, build_transforms, is_image_file, load_rgb, trained_data_config
+from data import BadImage, build_transforms, is_image_file, load_image, trained_data_config
+from engine import input_normalization, model_input
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
 from utils.distributed_utils import resolve_device
@@ -55,7 +57,7 @@ def find_images(specs):
 
 
 class ImageFiles(Dataset):
-    """path -> (tensor, index, error text); an unreadable file gives a blank tensor and its error."""
+    """path -> (tensor, index, error text); an unreadable file gives a blank image and its error."""
 
     def __init__(self, paths, transform, size, max_pixels=0):
         self.paths, self.transform, self.size, self.max_pixels = paths, transform, size, max_pixels
@@ -65,19 +67,20 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, i):
         try:
-            return self.transform(load_rgb(self.paths[i], self.max_pixels)), i, ""
-        except BadImage as e:
-            return torch.zeros(3, self.size, self.size), i, str(e)
+            return load_image(self.paths[i], self.transform, self.max_pixels), i, ""
+        except BadImage as e:  # a black image through the same transform: its batch's dtype and size
+            return self.transform(Image.new("RGB", (self.size, self.size))), i, str(e)
 
 
 def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0):
     """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable)."""
-    loader = DataLoader(ImageFiles(paths, transform, size, max_pixels), batch_size=batch_size, num_workers=workers,
-                        pin_memory=device.type == "cuda")
+    files = ImageFiles(paths, transform, size, max_pixels)
+    loader = DataLoader(files, batch_size=batch_size, num_workers=workers, pin_memory=device.type == "cuda")
+    norm = input_normalization(files, device)  # uint8 batches are normalised on the device, as in training
     rows, bad = [], []
     with torch.inference_mode():
         for images, index, errors in loader:
-            probs = model(images.to(device, non_blocking=True)).float().softmax(dim=1)
+            probs = model(model_input(images, device, norm)).float().softmax(dim=1)
             top = probs.topk(topk, dim=1)
             for i, err, p, c in zip(index.tolist(), errors, top.values.tolist(), top.indices.tolist()):
                 if err:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+import engine
 from conftest import REPO, make_image_folder
 from data import build_datasets, build_transforms, split_dataset
 from utils.config import load_config
@@ -137,7 +138,7 @@ def test_any_image_mode_becomes_rgb(tmp_path):
     for ds in (train_set, val_set):
         for i in range(len(ds)):
             img, label = ds[i]
-            assert img.shape == (3, 16, 16) and img.dtype == torch.float32 and label in (0, 1)
+            assert img.shape == (3, 16, 16) and img.dtype == torch.uint8 and label in (0, 1)
 
 
 @pytest.mark.parametrize("size", [(300, 200), (120, 400), (64, 64)])
@@ -146,8 +147,10 @@ def test_transforms_give_square_crops_of_img_size(size):
     img = Image.new("RGB", size, (200, 30, 30))
     assert train_tf(img).shape == (3, 48, 48)
     val = val_tf(img)
-    assert val.shape == (3, 48, 48)
-    # Normalized with the ImageNet statistics: a pure colour maps to (c/255 - mean) / std.
+    assert val.shape == (3, 48, 48) and val.dtype == torch.uint8
+    # Normalized with the ImageNet statistics on the device: a pure colour maps to (c/255 - mean) / std.
+    cpu = torch.device("cpu")
+    val = engine.model_input(val[None], cpu, engine.input_normalization(val_tf, cpu))[0]
     expected = (torch.tensor([200, 30, 30]) / 255 - torch.tensor([0.485, 0.456, 0.406])) \
         / torch.tensor([0.229, 0.224, 0.225])
     assert torch.allclose(val[:, 24, 24], expected, atol=1e-5)
@@ -162,7 +165,7 @@ def test_train_transform_crops_and_flips_at_random_val_transform_does_not():
     whole_tf, _ = build_transforms(img_size=32, val_resize=36, min_crop_scale=1.0)
     halves = Image.new("RGB", (64, 64))
     halves.paste((255, 255, 255), (32, 0, 64, 64))
-    mirrored = sum(bool(t[:, :, :16].mean() > t[:, :, 16:].mean()) for t in (whole_tf(halves) for _ in range(200)))
+    mirrored = sum(bool(t[:, :, :16].sum() > t[:, :, 16:].sum()) for t in (whole_tf(halves) for _ in range(200)))
     assert 65 <= mirrored <= 135, mirrored
     # The crop: 20 draws of a gradient give 20 different images, even with any flip undone.
     train_tf, val_tf = build_transforms(img_size=32, val_resize=36, min_crop_scale=0.08)

@@ -217,7 +217,7 @@ class MarkingLoader:
             yield batch
 
 
-@pytest.mark.parametrize("amp", ["fp32", "fp16"])
+@pytest.mark.parametrize("amp", ["fp32", "fp16", "uint8"])
 def test_train_step_has_no_per_step_sync(sync_log, amp):
     """12 steps with log_every=100: no host read and no all-reduce in steps 1..11; the last step
     ends the log window (one reduce_sums: one all-reduce, one copy to the host) and the epoch (one more).
@@ -225,14 +225,18 @@ def test_train_step_has_no_per_step_sync(sync_log, amp):
     fp16 runs with the enabled CPU GradScaler that build_scaler makes for it (torch >= 2.4). Observed
     with torch 2.14: GradScaler.step itself calls .item() on its found-inf flag once per step (in
     torch/amp/grad_scaler.py, _maybe_opt_step), unless the optimizer is fused (e.g.
-    torch.optim.SGD(..., fused=True) steps with no read). The engine's own steps stay sync-free."""
+    torch.optim.SGD(..., fused=True) steps with no read). The engine's own steps stay sync-free.
+    uint8: fp32 on uint8 batches, which the loop converts and normalises (data.py's transforms)."""
     dtype = torch.float16 if amp == "fp16" else None
     scaler = build_scaler(dtype, CPU)
     assert scaler.is_enabled() is (amp == "fp16")
     model = tiny_model()
     opt, sched = sgd(model)
     steps = 12
-    loader = MarkingLoader(make_batches([4] * steps), sync_log)
+    batches = make_batches([4] * steps)
+    if amp == "uint8":
+        batches = [(x.mul(40).add(128).clamp(0, 255).to(torch.uint8), y) for x, y in batches]
+    loader = MarkingLoader(batches, sync_log)
     engine.train_one_epoch(engine.Step(model, opt, sched, scaler, CPU, amp_dtype=dtype), loader, 0,
                            hooks=engine.EpochHooks(log_every=100))
 
@@ -285,11 +289,12 @@ def exempt_grad_scaler_step(scaler):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("amp, recipe", [("bf16", False), ("fp16", False), ("bf16", True)])
+@pytest.mark.parametrize("amp, recipe", [("bf16", False), ("fp16", False), ("bf16", True), ("bf16", "uint8")])
 def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
     """A resnet18 on CUDA under autocast (bf16; fp16 with its GradScaler): any synchronizing call
     in steps 1..n-1 of train_one_epoch raises under torch.cuda.set_sync_debug_mode("error").
-    recipe: also the EMA update, 2-batch accumulation, MixUp/CutMix, class weights, clipping.
+    recipe: also the EMA update, 2-batch accumulation, MixUp/CutMix, class weights, clipping; "uint8": uint8
+    batches, converted and normalised on the device by the loop (data.py's transforms give them).
     Scope: one process with plain BatchNorm. --syncBN with 2+ processes is torch's SyncBatchNorm, whose
     forward masks the gathered statistics by batch size, a host sync per layer (36 per ResNet34 step)."""
     from utils.optim import WeightEMA, batch_mixer
@@ -309,9 +314,11 @@ def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
         exempt_grad_scaler_step(scaler)  # a torch without fused SGD: its per-step host read is torch's
     batches = [(torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 3, (8,), device=device))
                for _ in range(8)]
+    if recipe == "uint8":
+        batches = [(x.mul(40).add(128).clamp(0, 255).to(torch.uint8), y) for x, y in batches]
     options = dict(ema=WeightEMA(model, 0.9), accum_steps=2, mix=batch_mixer(0.2, 1.0, 3), clip_grad_norm=1.0,
                    criterion=engine.Criterion(class_weight=torch.tensor([1.0, 2.0, 0.5], device=device))) \
-        if recipe else {}
+        if recipe is True else {}
     step = engine.Step(model, opt, sched, scaler, device, amp_dtype=dtype, **options)
     steps = len(batches) // step.accum_steps
     hooks = engine.EpochHooks(log_every=100)

@@ -58,7 +58,8 @@ def test_eval_only_is_exact_under_ddp(single, trained_run, tmp_path, nproc):
     got = evaluate_with("train_multi_gpu_ddp.py", trained_run, tmp_path / "ddp", nproc)
     for key in KEYS - {"val_worst", "val_loss"}:  # counts: exact; the loss sums in another order
         assert got[key] == single[key], key
-    assert got["val_loss"] == pytest.approx(single["val_loss"], rel=1e-9)
+    # And each rank's batches have other sizes: CPU convolutions may round float32 logits differently (5e-8 seen).
+    assert got["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
     worst, single_worst = got["val_worst"], single["val_worst"]
     assert [(w["index"], w["pred"], w["true"]) for w in worst] == [(w["index"], w["pred"], w["true"]) for w in single_worst]
     assert [w["prob"] for w in worst] == pytest.approx([w["prob"] for w in single_worst], abs=1e-5)

@@ -32,10 +32,10 @@ from utils.gpu_pipeline import (GpuLoader, check_cache_fits, crop_theta, pinned_
 
 def plain_transforms(img_size, val_resize, min_crop_scale=0.08):
     """(train, val) as data.build_transforms ships them: exactly the steps the device path reproduces."""
-    norm = T.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)
-    train = T.Compose([T.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
-                       T.ToTensor(), norm])
-    return train, T.Compose([T.Resize(val_resize), T.CenterCrop(img_size), T.ToTensor(), norm])
+    norm = data.NormalizeOnDevice(data.IMAGENET_MEAN, data.IMAGENET_STD)
+    train = T.Compose([data.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
+                       norm])
+    return train, T.Compose([data.Resize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
 
 
 @pytest.fixture(autouse=True)
@@ -127,16 +127,20 @@ def _loaders(cfg, device=torch.device("cpu")):
 
 
 def test_validation_matches_pil_path_on_same_weights(tmp_path):
-    """Same weights, PIL vs gpu val loader: the same logits, so the same accuracy."""
+    """Same weights, PIL vs gpu val loader: the same logits, so the same accuracy. The PIL loader's uint8
+    batches go through the loop's own device pass (engine.model_input); the gpu loader's are float already."""
+    import engine
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     torch.manual_seed(0)
     from model import create_model
     model = create_model("resnet18", 5).eval()
     outs = {}
+    cpu = torch.device("cpu")
     for pipe in ("pil", "gpu"):
         _, val = _loaders(_cfg(root, f"data.pipeline={pipe}"))
+        norm = engine.input_normalization(val.dataset, cpu)
         with torch.no_grad():
-            logits, labels = zip(*[(model(x), y) for x, y in val])
+            logits, labels = zip(*[(model(engine.model_input(x, cpu, norm)), y) for x, y in val])
         outs[pipe] = torch.cat(logits), torch.cat(labels)
     assert torch.equal(outs["pil"][1], outs["gpu"][1])
     assert len(outs["gpu"][1]) == 20  # every val image exactly once (ShardSampler, no padding)
@@ -241,7 +245,7 @@ def test_device_path_takes_its_parameters_from_the_transform(tmp_path):
     """Crop size, scale and ratio, flip probability, mean and std come from the dataset's transform."""
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     train, _ = _loaders(_cfg(root, "data.pipeline=gpu", "data.min_crop_scale=0.5"))
-    crop, flip, _, norm = train.dataset.transform.transforms
+    crop, flip, norm = train.dataset.transform.transforms
     assert (train.out_size, train.scale, train.ratio, train.flip_p) == (tuple(crop.size), crop.scale,
                                                                         crop.ratio, flip.p)
     assert train.scale == (0.5, 1.0)

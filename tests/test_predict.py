@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+import engine
 import predict
 from conftest import checkpoint_with_sizes, run_entry
 from data import ImageList, build_transforms
@@ -42,8 +43,11 @@ def test_top1_equals_the_evaluated_models_argmax(trained_run, tmp_path):
     model.load_state_dict(state["model"])
     val_tf = build_transforms(32, 36)[1]
     images = ImageList([(r["path"], 0) for r in rows], val_tf)
+    batch = torch.stack([images[i][0] for i in range(len(rows))])  # uint8: normalised as the loop does
+    cpu = torch.device("cpu")
+    batch = engine.model_input(batch, cpu, engine.input_normalization(images, cpu))
     with torch.no_grad():
-        argmax = model.eval()(torch.stack([images[i][0] for i in range(len(rows))])).argmax(1).tolist()
+        argmax = model.eval()(batch).argmax(1).tolist()
     assert [r["class1"] for r in rows] == [state["classes"][i] for i in argmax]
     assert all(float(r["prob1"]) >= float(r["prob2"]) for r in rows)
 

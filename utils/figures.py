@@ -102,7 +102,10 @@ def confusion_matrix_image(confusion, classes):
 
 
 def denormalize(images, mean=None, std=None):
-    """(N, 3, H, W) normalized tensors -> the same in [0, 1]; per-image min-max without mean/std."""
+    """(N, 3, H, W) normalized tensors -> the same in [0, 1]; per-image min-max without mean/std.
+    uint8 images (data.py's transforms, before the loop normalises them) are pixels: /255."""
+    if images.dtype == torch.uint8:
+        return images.detach().cpu().float() / 255
     images = images.detach().float().cpu()
     if mean is not None and std is not None:
         images = images * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)

@@ -86,15 +86,33 @@ def _steps(transform):
     return list(getattr(transform, "transforms", [transform]))
 
 
+# torchvision's ToTensor + Normalize, or data.py's uint8 steps + NormalizeOnDevice (subclasses count).
+_TO_TENSOR = (T.ToTensor, T.PILToTensor)
+
+
+def _ends_in_tensor_and_normalize(steps):
+    return len(steps) >= 2 and isinstance(steps[-2], _TO_TENSOR) and isinstance(steps[-1], T.Normalize)
+
+
+def _train_steps(steps):
+    """(crop, flip or None, normalize) for RandomResizedCrop, an optional flip, an optional ToTensor or
+    PILToTensor and Normalize; None for anything else."""
+    middle = steps[1:-1]
+    if middle and isinstance(middle[-1], _TO_TENSOR):
+        middle = middle[:-1]
+    if (len(steps) >= 2 and isinstance(steps[0], T.RandomResizedCrop) and isinstance(steps[-1], T.Normalize)
+            and len(middle) <= 1 and all(isinstance(t, T.RandomHorizontalFlip) for t in middle)):
+        return steps[0], (middle[0] if middle else None), steps[-1]
+    return None
+
+
 def unsupported_train_steps(train_transform):
     """The steps of the train transform this path cannot reproduce ([] if it can do them all)."""
     steps = _steps(train_transform)
-    kinds = [type(t) for t in steps]
-    if (len(steps) in (3, 4) and kinds[0] is T.RandomResizedCrop and kinds[-2:] == [T.ToTensor, T.Normalize]
-            and (len(steps) == 3 or kinds[1] is T.RandomHorizontalFlip)):
+    if _train_steps(steps):
         return []
-    return [t for t in steps if type(t) not in (T.RandomResizedCrop, T.RandomHorizontalFlip, T.ToTensor,
-                                                 T.Normalize)] or steps
+    known = (T.RandomResizedCrop, T.RandomHorizontalFlip, *_TO_TENSOR, T.Normalize)
+    return [t for t in steps if not isinstance(t, known)] or steps
 
 
 def resolve_pipeline(requested, device, train_transform):
@@ -301,14 +319,14 @@ class GpuLoader:
         steps = _steps(dataset.transform)
         norm = steps[-1]
         if train:
-            crop = steps[0]
+            crop, flip, _ = _train_steps(steps)
             self.out_size, self.scale, self.ratio = tuple(crop.size), tuple(crop.scale), tuple(crop.ratio)
-            self.flip_p = steps[1].p if len(steps) == 4 else 0.0
+            self.flip_p = flip.p if flip is not None else 0.0
             size = resolve_cache_size(data_cfg)
             item, shape = _TrainCacheItem(size), (3, size, size)
         else:
             # The PIL path's val transform up to ToTensor + Normalize, which run on the device here.
-            assert [type(t) for t in steps[-2:]] == [T.ToTensor, T.Normalize], f"unexpected val transform {steps}"
+            assert _ends_in_tensor_and_normalize(steps), f"unexpected val transform {steps}"
             item, shape = _ValCacheItem(T.Compose(steps[:-2])), (3, data_cfg.img_size, data_cfg.img_size)
         self.generator = torch.Generator()  # reseeded every epoch by fit(): reproducible augmentation
         # Normalize's (mean, std) as (1, 3, 1, 1) float32 on the device, for normalize().

@@ -1,0 +1,198 @@
+"""The PIL path's input: uint8 batches normalised on the device, and big JPEGs decoded small.
+
+    python -m pytest tests/test_fast_input.py -q
+
+- validation pixels, through the real loader and the loop's device pass, equal torchvision's
+  Resize + CenterCrop + ToTensor + Normalize; training pixels are torchvision's RandomResizedCrop
+  + flip with the same draws, within one level;
+- a float-only transform after the documented ConvertImageDtype gets the same model input;
+- the pictures (train/augmented_samples, worst mistakes) show the same pixels as before;
+- a large JPEG: the crop box keeps torchvision's distribution in the original's pixels (a
+  Kolmogorov-Smirnov test, as for the gpu pipeline's sampler), it is decoded at the smallest DCT
+  scale that leaves the box at least the output size, and validation, drafted by the same rule,
+  stays close to a full decode.
+"""
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+import data
+import engine
+from conftest import make_image_folder
+from test_gpu_pipeline import box_features, ks_statistic
+from utils import figures
+from utils.config import load_config
+
+CPU = torch.device("cpu")
+MEAN, STD = data.IMAGENET_MEAN, data.IMAGENET_STD
+
+
+def reference(img_size, val_resize):
+    """torchvision's reference transforms, as the template had them: float32, normalised per image."""
+    norm = T.Normalize(MEAN, STD)
+    return (T.Compose([T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), norm]),
+            T.Compose([T.Resize(val_resize), T.CenterCrop(img_size), T.ToTensor(), norm]))
+
+
+def loaders(root, *extra):
+    cfg = load_config(["--data-path", str(root), "data.img_size=32", "data.val_resize=36", "data.num_workers=0",
+                       "data.val_rate=0.5", *extra])
+    train_set, val_set, _ = data.build_datasets(cfg.data)
+    val = data.make_loader(val_set, 4, data.ShardSampler(val_set), cfg.data, CPU, train=False)
+    return train_set, val_set, val
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_validation_pixels_equal_torchvisions(tmp_path, channels_last):
+    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
+    _, val_set, val = loaders(root)
+    norm = engine.input_normalization(val.dataset, CPU)
+    got, raw = [], []
+    for images, _ in val:
+        raw.append(images)
+        got.append(engine.model_input(images, CPU, norm, channels_last))
+    assert all(x.dtype == torch.uint8 for x in raw)  # what the workers pass: a quarter of float32's bytes
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x in raw)  # data.collate: a plain copy
+    got = torch.cat(got)
+    ref_val = reference(32, 36)[1]
+    expected = torch.stack([ref_val(data.load_rgb(path)) for path, _ in val_set.samples])
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert got.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def test_train_pixels_are_torchvisions_crop_and_flip_within_one_level(tmp_path):
+    """The same seed, the same random draws: the same boxes and flips as torchvision's PIL path; torch's
+    uint8 resize is within one grey level of PIL's."""
+    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
+    train_set, _, _ = loaders(root)
+    ref_train = reference(32, 36)[0]
+    torch.manual_seed(0)
+    ours = torch.stack([train_set[i][0] for i in range(len(train_set))])
+    torch.manual_seed(0)
+    theirs = torch.stack([ref_train(data.load_rgb(path)) for path, _ in train_set.samples])
+    ours = engine.model_input(ours, CPU, engine.input_normalization(train_set, CPU))
+    one_level = 1 / 255 / min(STD) + 1e-5
+    assert (ours - theirs).abs().max() <= one_level
+    assert (ours - theirs).abs().mean() < 0.1 * one_level  # mostly equal, not just close
+
+
+def test_a_float_only_transform_after_convert_image_dtype_sees_floats_and_the_model_the_same_input(tmp_path):
+    """The documented way (data.build_transforms): ConvertImageDtype(torch.float) before a transform that
+    needs floats; NormalizeOnDevice then normalises in the worker and the loop takes the batch as it is."""
+    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
+    seen = []
+
+    def float_only(x):
+        assert x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1, x.dtype
+        seen.append(1)
+        return x
+
+    train_set, _, _ = loaders(root)
+    steps = train_set.transform.transforms
+    edited = T.Compose(steps[:-1] + [T.ConvertImageDtype(torch.float), T.Lambda(float_only), steps[-1]])
+    batches = {}
+    for name, tf in (("uint8", train_set.transform), ("float", edited)):
+        train_set.transform = tf
+        torch.manual_seed(0)
+        images = torch.stack([train_set[i][0] for i in range(len(train_set))])
+        batches[name] = engine.model_input(images, CPU, engine.input_normalization(train_set, CPU))
+    assert len(seen) == len(train_set)
+    assert torch.allclose(batches["uint8"], batches["float"], atol=1e-5)
+
+
+def test_the_pictures_show_the_pixels_the_model_sees(tmp_path):
+    """sample_picture undoes the device pass's normalisation; worst_picture reads uint8 dataset items:
+    both give the pixels /255, as the float path did."""
+    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
+    _, val_set, _ = loaders(root)
+    pixels = torch.stack([val_set[i][0] for i in range(4)])
+    normalised = engine.model_input(pixels, CPU, engine.input_normalization(val_set, CPU))
+    shown = figures.denormalize(normalised, *engine.normalization(val_set))  # sample_picture's way
+    assert torch.allclose(shown, pixels / 255, atol=1e-6)
+    assert torch.equal(figures.denormalize(pixels, *engine.normalization(val_set)), pixels / 255)  # worst_picture's
+
+
+# --------------------------------------------------------------------------- large JPEGs decoded small
+
+def gradient_jpeg(width, height):
+    """Red grows with x, green with y: a crop's colours say where in the original it came from."""
+    x = (np.arange(width) + 0.5) / width * 255
+    y = (np.arange(height) + 0.5) / height * 255
+    rgb = np.stack(np.broadcast_arrays(x[None, :], y[:, None], np.full((height, width), 128.0)), axis=-1)
+    buf = io.BytesIO()
+    Image.fromarray(np.round(rgb).astype(np.uint8)).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def box_from_pixels(crop, width, height):
+    """(top, left, h, w) in the original's pixels, read back from a gradient_jpeg crop (either flip)."""
+    out_h, out_w = crop.shape[1:]
+    red, green = crop[0].double().mean(0) / 255, crop[1].double().mean(1) / 255
+    x0, x1 = sorted((red[0].item() * width, red[-1].item() * width))
+    y0, y1 = green[0].item() * height, green[-1].item() * height
+    # Output pixel j samples the box at (j + 0.5) / out of its width.
+    w, h = (x1 - x0) * out_w / (out_w - 1), (y1 - y0) * out_h / (out_h - 1)
+    return y0 - h / (2 * out_h), x0 - w / (2 * out_w), h, w
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """Every data.decode call's (scale asked, the decoded image's size)."""
+    log, real = [], data.decode
+
+    def recording(img, scale=1):
+        out, s = real(img, scale)
+        log.append((s, out.size))
+        return out, s
+
+    monkeypatch.setattr(data, "decode", recording)
+    return log
+
+
+def test_crops_of_a_large_jpeg_keep_torchvisions_distribution_in_original_pixels(tmp_path, decodes):
+    W, H, n, out = 512, 384, 1000, 16
+    path = tmp_path / "big.jpg"
+    path.write_bytes(gradient_jpeg(W, H))
+    crop = T.Compose([data.RandomResizedCrop(out), T.RandomHorizontalFlip()])
+    torch.manual_seed(1)
+    ours = [box_from_pixels(data.load_image(path, crop), W, H) for _ in range(n)]
+    torch.manual_seed(2)
+    theirs = [T.RandomResizedCrop.get_params(torch.empty(1, H, W), (0.08, 1.0), (3 / 4, 4 / 3)) for _ in range(n)]
+    bound = 1.95 * math.sqrt(2 / n)  # KS critical value at alpha = 0.001 for two samples of n
+    mine, ref = box_features(ours, [H] * n, [W] * n), box_features(theirs, [H] * n, [W] * n)
+    for key in mine:
+        assert ks_statistic(mine[key], ref[key]) < bound, key
+    scales = [s for s, _ in decodes]
+    assert len(scales) == n and min(scales) >= 4 and scales.count(8) > n / 2  # decoded at 1/4 or 1/8 of each side
+    assert all(size == (-(-W // s), -(-H // s)) for s, size in decodes)
+
+
+@pytest.mark.parametrize("width, height, out_w, out_h", [(1024, 768, 32, 32), (4000, 3000, 224, 224),
+                                                         (900, 500, 224, 224), (333, 500, 224, 224),
+                                                         (300, 200, 341, 256), (4000, 3000, 341, 256)])
+def test_the_draft_scale_is_the_smallest_decode_that_keeps_the_output_size(width, height, out_w, out_h):
+    for w in range(max(1, width // 7), width + 1, max(1, width // 50)):
+        for h in range(max(1, height // 7), height + 1, max(1, height // 50)):
+            s = data.draft_scale(w, h, out_w, out_h)
+            assert s in (1, 2, 4, 8)
+            assert s == 1 or (w / s >= out_w and h / s >= out_h)  # never smaller than the output
+            assert s == 8 or w / (2 * s) < out_w or h / (2 * s) < out_h  # half again would be too small
+
+
+def test_validation_of_a_large_jpeg_is_drafted_by_the_same_rule_and_close_to_a_full_decode(tmp_path, decodes):
+    rng = np.random.default_rng(0)
+    smooth = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize((1600, 1200), Image.BICUBIC)
+    grain = rng.integers(-8, 9, (1200, 1600, 1))
+    Image.fromarray(np.clip(np.asarray(smooth, dtype=np.int64) + grain, 0, 255).astype(np.uint8)).save(
+        tmp_path / "photo.jpg", quality=90)
+    val = data.build_transforms(224, 256)[1]
+    ours = data.load_image(tmp_path / "photo.jpg", val)
+    assert decodes == [(4, (400, 300))]  # 1600 x 1200 -> 341 x 256: a quarter of each side still covers it
+    full = T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])(data.load_rgb(tmp_path / "photo.jpg"))
+    diff = (ours.int() - full.int()).abs().double()
+    assert ours.shape == full.shape and diff.mean() < 1.5 and diff.max() <= 16, (diff.mean(), diff.max())
