@@ -14,8 +14,8 @@ device (one affine grid_sample), in the training stream, with no host sync.
 
 What it reads from the transforms data.py builds (dataset.transform): the
 train transform must be RandomResizedCrop, an optional RandomHorizontalFlip,
-ToTensor and Normalize, and their parameters (size, scale, ratio, flip
-probability, mean, std) are used here. Any other train transform (an added
+and Normalize (data.py's NormalizeOnDevice; or ToTensor and Normalize), and their
+parameters (size, scale, ratio, flip probability, mean, std) are used here. Any other train transform (an added
 ColorJitter, say) cannot be reproduced batched on the device: data.pipeline=gpu
 then stops with one line, and data.pipeline=auto uses the PIL path.
 
