@@ -9,6 +9,7 @@ from an older epoch_NNN.pt leaves no point of the abandoned branch past its step
 """
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -38,6 +39,19 @@ def test_figures_draw_rgb_pictures():
     assert torch.allclose(images, torch.full_like(images, 0.5))  # normalization undone
     grid = figures.image_grid(images, ["a", "b", "c"], title="t")
     assert grid.shape[2] == 3
+
+
+def test_the_per_epoch_pictures_need_no_matplotlib(monkeypatch):
+    """A matplotlib figure's text layout cost ~0.1 s per picture every epoch (BENCHMARKS.md, against
+    timm's train.py): the confusion matrix and the image grids are drawn in PIL, without it."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # any import of it (or of a submodule) fails
+    try:
+        cm = figures.confusion_matrix_image([[5, 1, 0], [2, 7, 1], [0, 0, 9]], ["a", "b", "c"])
+        grid = figures.image_grid(torch.rand(4, 3, 8, 8), ["a -> b\n90%"] * 4, colours=["firebrick"] * 4, title="t")
+        empty = figures.image_grid([], [], title="t")
+    finally:
+        figures._font.cache_clear()  # the fallback font found meanwhile is not kept for later pictures
+    assert all(p.dtype == np.uint8 and p.shape[2] == 3 and p.std() > 0 for p in (cm, grid, empty))
 
 
 def test_every_epoch_has_its_pictures_and_the_first_its_samples(trained_run):
