@@ -24,6 +24,9 @@ The run, matched on both sides (CPU, fp32, the same intra-op threads):
            two curves are equal step for step; in it they differ by at most
            lr / warm-up steps (printed: timm's warm-up is a line from
            --warmup-lr that reaches lr one step later than the template's);
+  threads  --threads intra-op threads for both (OMP_NUM_THREADS; default 1: on
+           a 2-core machine shared with other jobs, 2 OpenMP threads per
+           process spin against each other, 11 vs 72 img/s in one test);
   workers  --workers DataLoader workers for both, each script's own loader;
            per epoch both evaluate and write a checkpoint; the template also
            its TensorBoard scalars, figures and per-class metrics (defaults).
@@ -70,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--warmup-epochs", type=int, default=1, help="whole epochs (timm's flag is an int)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers, both sides; default 0")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (OMP_NUM_THREADS), both; default 1")
     p.add_argument("--per-class", default="200,50", help="train,val images per class; default 200,50")
     p.add_argument("--data", help="the set's root (default data/vs_timm_32, generated if absent)")
     p.add_argument("--out-dir", default="runs/vs_timm")
@@ -194,13 +198,13 @@ def run_timm(path, argv):
 
 # --------------------------------------------------------------------------- one run, and what it reports
 
-def timed(cmd, log):
+def timed(cmd, log, threads):
     """Wall seconds of one process, start to exit; its output goes to `log`."""
     load = os.getloadavg()[0]
     start = time.perf_counter()
     with open(log, "w") as f:
         done = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
     seconds = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"error: {' '.join(map(str, cmd[:3]))} ... exited {done.returncode}; see {log}")
@@ -272,7 +276,7 @@ def describe(args, root):
     import torchvision
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
             "torch": torch.__version__, "torchvision": torchvision.__version__, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "data": str(root),
+            "torch_threads": args.threads, "data": str(root),
             "train_images": args.train_per_class * 10, "val_images": args.val_per_class * 10,
             "steps_per_epoch": steps_per_epoch(args), "command": " ".join([Path(sys.executable).name, *sys.argv])}
     for k in ("epochs", "batch_size", "lr", "lrf", "weight_decay", "warmup_epochs", "workers", "seeds",
@@ -295,10 +299,10 @@ def compare(args, root, out_dir):
             shutil.rmtree(out, ignore_errors=True)
             log = out_dir / f"{side}-seed{seed}.log"
             if side == "template":
-                pair[side] = timed(template_command(args, root, seed, out), log)
+                pair[side] = timed(template_command(args, root, seed, out), log, args.threads)
                 pair[side].update(template_result(out))
             else:
-                pair[side] = timed(timm_command(args, root, seed, out), log)
+                pair[side] = timed(timm_command(args, root, seed, out), log, args.threads)
                 pair[side].update(timm_result(out, log, args.batch_size))
             r = pair[side]
             print(f"seed {seed} {side}: {r['wall_s']:.1f} s wall, {r['img_per_s']:.0f} img/s, "
