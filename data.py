@@ -49,6 +49,7 @@ Image.MAX_IMAGE_PIXELS = None
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+PREFETCH_FACTOR = 4  # batches each loader worker keeps ready (tools/ddp_check.py counts them in /dev/shm)
 
 
 @dataclass
@@ -667,7 +668,7 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
         drop_last=train,
         # Re-seeded every epoch by the loop, so augmentation is reproducible and resumable.
         generator=torch.Generator(),
-        prefetch_factor=4 if workers > 0 else None,
+        prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
         persistent_workers=persistent,
         collate_fn=collate,
     )

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, make_image_folder
 
 TOOL = REPO / "tools" / "ddp_check.py"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -64,7 +64,7 @@ def test_every_check_passes_on_two_gloo_processes():
     assert v["gpu p2p"] == ("skip", "skipped (no CUDA)"), out
     assert v["all-reduce"] == ("ok", "sum over 2 ranks = 3 (expected 3)"), out
     assert v["bandwidth"][0] == "ok" and re.search(r"1 MB [0-9.]+ GB/s, 4 MB [0-9.]+ GB/s", v["bandwidth"][1]), out
-    # 2 processes x 2 workers x prefetch 4 x batch 4 x 3*64*64*4 bytes (demo's img_size 64): a few MB
+    # 2 processes x 2 workers x prefetch 4 x batch 4 x 3*64*64 bytes (demo's img_size 64, uint8): a few MB
     assert v["shm"][0] == "ok" and "2 process(es) x 2 workers x prefetch 4 x batch 4" in v["shm"][1], out
     assert v["env"][0] == "info" and "MASTER_PORT=" in v["env"][1], out
     assert v["summary"] == ("ok", "every check passed"), out
@@ -73,8 +73,8 @@ def test_every_check_passes_on_two_gloo_processes():
 
 @pytest.mark.slow
 def test_too_small_shm_fails_with_the_fix_and_exit_1():
-    # 2 x 2 workers x 4 x 100,000 images x 48 KB (img_size 64) = 79 GB: more than any /dev/shm here.
-    rc, out, err = ddp_check("--config", "configs/demo.yaml", "data.num_workers=2", "train.batch_size=100000")
+    # 2 x 2 workers x 4 x 400,000 images x 12 KB (img_size 64, uint8) = 79 GB: more than any /dev/shm here.
+    rc, out, err = ddp_check("--config", "configs/demo.yaml", "data.num_workers=2", "train.batch_size=400000")
     v = verdicts(out)
     assert rc == 1, out + err[-3000:]
     tag, text = v["shm"]
@@ -82,14 +82,16 @@ def test_too_small_shm_fails_with_the_fix_and_exit_1():
     assert v["all-reduce"][0] == "ok" and v["summary"][0] == "FAIL" and "shm" in v["summary"][1], out
 
 
-def test_shm_need_counts_what_the_training_loader_holds():
+def test_shm_need_counts_what_the_training_loader_holds(tmp_path):
+    from data import PREFETCH_FACTOR, build_datasets
     from utils.config import load_config
     tool, cpu = load_tool(), torch.device("cpu")
-    cfg = load_config(["--config", "configs/demo.yaml", "data.num_workers=3", "train.batch_size=8"])
+    make_image_folder(tmp_path / "data", per_class=4, size=(90, 70))
+    cfg = load_config(["--config", "configs/demo.yaml", "data.num_workers=3", "train.batch_size=8",
+                       f"data.path={tmp_path / 'data'}"])
+    sample = build_datasets(cfg.data)[0][0][0]  # one training sample, as a worker sends it
     need, how = tool.shm_need(cfg, cpu, procs_on_node=2)
-    assert need == 2 * 3 * tool.PREFETCH_FACTOR * 8 * 3 * 64 * 64 * 4, how
+    assert need == 2 * 3 * PREFETCH_FACTOR * 8 * sample.numel() * sample.element_size(), how
+    assert sample.dtype == torch.uint8 and need == 2 * 3 * PREFETCH_FACTOR * 8 * 3 * 64 * 64, how
     # num_workers=-1 means what data.resolve_num_workers makes of it: no workers on the CPU.
     assert tool.shm_need(load_config([]), cpu, procs_on_node=2)[0] == 0
-    import data
-    source = open(data.__file__).read()
-    assert f"prefetch_factor={tool.PREFETCH_FACTOR} if workers > 0" in source, "keep PREFETCH_FACTOR = data.py's"

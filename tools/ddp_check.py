@@ -21,7 +21,8 @@ The checks, in the order they run (rank 0 prints every line, `ok`, `FAIL ... -> 
     all-reduce      sum of rank+1 over the ranks is n(n+1)/2
     bandwidth       all-reduce bus bandwidth, busbw = algbw * 2(n-1)/n (nccl-tests' definition)
     shm             /dev/shm of each node holds what its loaders keep in flight:
-                    processes x workers x prefetch x batch x 3 x img_size^2 x 4 bytes (float32)
+                    processes x workers x prefetch x batch x one sample's bytes (the training
+                    transform run on a test image: 3 x img_size^2 for its uint8 output)
     env             which NCCL_* and network variables are set (information, never a failure)
 
 Every rank runs every collective (the project's rule); the facts of one node (its GPU pairs,
@@ -34,6 +35,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,13 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from utils.cli import cli_entry  # noqa: E402
 from utils.distributed_utils import init_distributed_mode, read_launch_env  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
-# data.make_loader gives its DataLoader prefetch_factor=4 when it has workers; keep the two equal.
-PREFETCH_FACTOR = 4
 SHM_PATH = "/dev/shm"  # where torch's DataLoader workers put their batches on Linux
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "TP_SOCKET_IFNAME", "USE_LIBUV")
@@ -136,11 +137,23 @@ def gpu_pairs(timeout_s):
 
 # -- /dev/shm: the loader's workers hand every batch to the main process through shared memory --
 
+def sample_bytes(data_cfg):
+    """Bytes of one training sample as the loader workers send it: the training transform run on a
+    test JPEG (uint8 by default; float32 where an added transform converts it)."""
+    from data import build_transforms, load_image
+    train, _ = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "probe.jpg")
+        Image.new("RGB", (2 * data_cfg.img_size,) * 2).save(path)
+        sample = load_image(path, train)
+    return sample.numel() * sample.element_size()
+
+
 def shm_need(cfg, device, procs_on_node):
     """Bytes this node's loaders may hold in /dev/shm at once, and how that was counted."""
-    from data import resolve_num_workers  # data.num_workers=-1 means what the training resolves it to
+    from data import PREFETCH_FACTOR, resolve_num_workers  # num_workers=-1: what the training resolves
     workers = resolve_num_workers(cfg.data.num_workers, device, procs_on_node)
-    image = 3 * cfg.data.img_size ** 2 * 4  # one float32 image after the transform
+    image = sample_bytes(cfg.data)
     per_proc = workers * PREFETCH_FACTOR * cfg.train.batch_size * image
     how = (f"{procs_on_node} process(es) x {workers} workers x prefetch {PREFETCH_FACTOR} x batch "
            f"{cfg.train.batch_size} x {image / 2**20:.2f} MB")
