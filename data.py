@@ -16,6 +16,7 @@ is replaced by the next readable one, warned about once with its path and
 counted as `bad_images` in metrics.jsonl; data.bad_image=error stops instead,
 and data.verify=true decodes every image once before training.
 """
+import contextlib
 import enum
 import functools
 import itertools
@@ -262,9 +263,22 @@ class RandomResizedCrop(transforms.RandomResizedCrop):
         img, s = decode(img, draft_scale(w, h, self.size[1], self.size[0]))
         # The box in the decoded pixels (to the nearest one where the JPEG was decoded smaller).
         box = TF.pil_to_tensor(img)[:, round(top / s):round((top + h) / s), round(left / s):round((left + w) / s)]
-        if self.interpolation != transforms.InterpolationMode.BILINEAR:
-            return TF.resize(box, list(self.size), self.interpolation, antialias=self.antialias)
-        return torch.nn.functional.interpolate(box[None], size=self.size, mode="bilinear", antialias=True)[0]
+        with one_thread():
+            if self.interpolation != transforms.InterpolationMode.BILINEAR:
+                return TF.resize(box, list(self.size), self.interpolation, antialias=self.antialias)
+            return torch.nn.functional.interpolate(box[None], size=self.size, mode="bilinear", antialias=True)[0]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for one image's op: in the main process (data.num_workers=0) waking its
+    other threads costs more than they save, 20x on a loaded 2-core machine. A worker has one anyway."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Resize(transforms.Resize):
