@@ -14,12 +14,15 @@ device:
   reference  torchvision's references: ImageFolder (PIL) + RandomResizedCrop +
              RandomHorizontalFlip + ToTensor + Normalize, DataLoader(shuffle,
              drop_last, pin_memory on CUDA).
+Each batch then goes through the training loop's own engine.model_input, for
+both: to the device, where the template's uint8 batches are normalised (on a
+CPU run that pass is in the main process, and counted).
 The same worker count for both: min(8, CPU cores), the template's own rule on
 CUDA, unless --workers. A run is one whole epoch, timed from iter() until its
-last batch has arrived (on CUDA: is on the device, synced), after one untimed
-epoch of each: as in a training run's later epochs, the reference pays its
-worker start every epoch and the template's persistent workers do not. Whole epochs, so that no run leaves
-prefetched work behind that would compete with the next. Runs alternate
+last batch is the model's input (on CUDA: synced), after one untimed epoch of
+each: as in a training run's later epochs, the reference pays its worker start
+every epoch and the template's persistent workers do not. Whole epochs, so that
+no run leaves prefetched work behind to compete with the next. Runs alternate
 template, reference, template... --repeats times; each pair gives a ratio, and
 the printed ratio is the median of the pairs of this one invocation (a shared
 machine's load drifts; pairs taken seconds apart see the same load).
@@ -50,9 +53,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import data  # noqa: E402
+import engine  # noqa: E402
 from demo.flowers import CLASS_NAMES, FLOWER_PHOTOS_COUNTS, ensure  # noqa: E402
 from utils.config import load_config  # noqa: E402
-from utils.distributed_utils import resolve_device  # noqa: E402
+from utils.distributed_utils import resolve_device, use_channels_last  # noqa: E402
 
 GOALS = {"flowers": 1.5, "photos": 3.0}  # template / reference, issue 20
 PHOTO_SIZE = (4000, 3000)
@@ -138,12 +142,15 @@ def reference_loader(root, args, batch, device):
 
 
 def timed_run(loader, device):
-    """Seconds from iter() until the epoch's batches are on `device`, the images counted, one batch's look."""
+    """Seconds from iter() until the epoch's batches are the model's input on `device` (the loop's own
+    engine.model_input), the images counted, one batch's look."""
+    norm = engine.input_normalization(loader.dataset, device)
+    channels_last = use_channels_last(True, device)  # model.channels_last's default, for both
     start, images, look = time.perf_counter(), 0, None
     it = iter(loader)
     for _ in range(len(loader)):
         x, _ = next(it)
-        x = x.to(device, non_blocking=True)
+        x = engine.model_input(x, device, norm, channels_last)
         images += x.shape[0]
         look = look or {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
     if device.type == "cuda":

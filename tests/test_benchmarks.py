@@ -133,7 +133,8 @@ def test_loader_benchmark_quick_times_both_loaders_on_the_same_files(tmp_path):
         assert s["files"] == files and s["batch_size"] == batch, s
         for kind in ("template", "reference"):
             assert len(s[kind]["runs"]) == 2 and min(s[kind]["runs"]) > 0
-            assert s[kind]["shape"] == [batch, 3, 32, 32], (kind, s[kind])
+            # The model's input, as the loop makes it: the template's uint8 batches normalised to float.
+            assert s[kind]["shape"] == [batch, 3, 32, 32] and s[kind]["dtype"] == "float32", (kind, s[kind])
         # The ratio is the median of pairs run back to back in this invocation, not of two medians.
         pairs = [t / ref for t, ref in zip(s["template"]["runs"], s["reference"]["runs"])]
         assert s["pair_ratios"] == pytest.approx(pairs) and s["ratio"] == pytest.approx(sum(pairs) / 2)
