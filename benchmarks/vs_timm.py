@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup-epochs", type=int, default=1, help="whole epochs (timm's flag is an int)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers, both sides; default 0")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (OMP_NUM_THREADS), both; default 1")
-    p.add_argument("--per-class", default="200,50", help="train,val images per class; default 200,50")
+    p.add_argument("--per-class", default="100,25", help="train,val images per class; default 100,25")
     p.add_argument("--data", help="the set's root (default data/vs_timm_32, generated if absent)")
     p.add_argument("--out-dir", default="runs/vs_timm")
     p.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
