@@ -226,10 +226,12 @@ class _Window:
 
 class _Waits:
     """The loader's batches, timed on the host: the seconds the loop spent waiting for the next one
-    (no device sync; on CUDA the steps run ahead of the host until a window's end reads them)."""
+    (no device sync; on CUDA the steps run ahead of the host until a window's end reads them), and
+    the epoch's record of them, window by window."""
 
     def __init__(self, batches):
         self.batches, self.seconds = batches, 0.0
+        self.shares, self.waited, self.windows_seconds = [], 0.0, 0.0
 
     def __iter__(self):
         batches, end = iter(self.batches), object()
@@ -245,6 +247,19 @@ class _Waits:
         """The seconds waited since the last take."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
+
+    def add_window(self, wait, seconds):
+        """A closed window: the ranks' mean wait in it, and its length."""
+        self.shares.append(wait / seconds)
+        self.waited, self.windows_seconds = self.waited + wait, self.windows_seconds + seconds
+
+    def share(self):
+        return self.waited / max(self.windows_seconds, 1e-9)
+
+    def input_bound(self):
+        """Whether the loop waited for batches in over DATA_WAIT_HINT of most of the epoch's log windows:
+        a slow start (the workers' first batches) alone does not count."""
+        return sum(share > DATA_WAIT_HINT for share in self.shares) * 2 > len(self.shares)
 
 
 def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None):
@@ -276,7 +291,6 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     # islice: a tail that makes no whole step is not even loaded.
     waits = _Waits(itertools.islice(batches, used - skip))
     bar = logger.progress(waits, used - skip, f"{label} train")
-    wait_shares, waited, windows_seconds = [], 0.0, 0.0
     norm = input_normalization(getattr(loader, "dataset", None), step.device)
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, step.device, step.channels_last, norm)
@@ -302,8 +316,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         stopping, wait, seconds = _close_window(step, hooks, logger, window, epoch, global_step, waits.take(),
                                                 (bar, label, (i + 1) // step.accum_steps, used // step.accum_steps,
                                                  (time.perf_counter() - start) / (i + 1 - skip) * (used - i - 1)))
-        wait_shares.append(wait / seconds)
-        waited, windows_seconds = waited + wait, windows_seconds + seconds
+        waits.add_window(wait, seconds)
         window = _Window(step.device, time.perf_counter())
         # The epoch's last step is followed by evaluation and the epoch checkpoint anyway.
         if hooks.save_step is not None and not last and (stopping or (next_save and global_step >= next_save)):
@@ -315,14 +328,9 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     epoch_totals = reduce_sums({"loss": loss_sum, "images": loss_sum.new_tensor(float(images_seen))})
     return {"train_loss": epoch_totals["loss"] / epoch_totals["images"],
             "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
-            "train_seconds": seconds, "train_data_wait": waited / max(windows_seconds, 1e-9),
-            "global_step": global_step, "input_bound": _input_bound(wait_shares)}
+            "train_seconds": seconds, "train_data_wait": waits.share(),
+            "global_step": global_step, "input_bound": waits.input_bound()}
 
-
-def _input_bound(wait_shares):
-    """Whether the loop waited for batches in over DATA_WAIT_HINT of most of the epoch's log windows:
-    a slow start (the workers' first batches) alone does not count."""
-    return sum(share > DATA_WAIT_HINT for share in wait_shares) * 2 > len(wait_shares)
 
 
 def _skip_trained(batches, resume):
