@@ -120,8 +120,8 @@ L_BENCH=${L_BENCH:-200}    # quick sizes: 16-34 s -> 70, a floor only: the rehea
                            # images (pil: decoding with 8 workers, ~4 s an epoch; gpu: decoding once into
                            # the cache, ~10 s, then ~1 s an epoch) with set-up and checkpoints ~40 s;
                            # (c) bare + 5 DDP variants, each warm-up + 5 x 50 steps: 1,800 steps ~35-55 s;
-                           # (d) on the CPU at full size: 33 s on one thread of the VM (measured), ~15-35 s
-                           # there. ~110-150 s; 200 leaves ~1.3x
+                           # (d) on the CPU at full size, 9 repeats: 42 s on one thread of the VM (measured),
+                           # ~20-40 s there. ~115-155 s; 200 leaves ~1.3x
 L_SCALING=${L_SCALING:-140}  # 3 quick rows: 24-47 s (each row ~10 s, mostly start-up) -> 100; reasoned +40
                            # for one GPU's 3 rows (single, DP, DDP) at full size: per row a start, decoding
                            # 3,670 JPEGs once into the cache (~3 s with 8 workers) and 2 ResNet34 epochs at
