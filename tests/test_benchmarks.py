@@ -131,13 +131,16 @@ def test_loader_benchmark_quick_times_both_loaders_on_the_same_files(tmp_path):
     for name, files, batch in (("flowers", 20, 8), ("photos", 10, 4)):
         s = res["sets"][name]
         assert s["files"] == files and s["batch_size"] == batch, s
-        for kind in ("template", "reference"):
+        for kind, dtype in (("template", "uint8"), ("template_model_input", "float32"), ("reference", "float32")):
             assert len(s[kind]["runs"]) == 2 and min(s[kind]["runs"]) > 0
-            # The model's input, as the loop makes it: the template's uint8 batches normalised to float.
-            assert s[kind]["shape"] == [batch, 3, 32, 32] and s[kind]["dtype"] == "float32", (kind, s[kind])
-        # The ratio is the median of pairs run back to back in this invocation, not of two medians.
-        pairs = [t / ref for t, ref in zip(s["template"]["runs"], s["reference"]["runs"])]
-        assert s["pair_ratios"] == pytest.approx(pairs) and s["ratio"] == pytest.approx(sum(pairs) / 2)
+            # Delivered: the loader's uint8 batches; as the model's input: normalised to float by the loop.
+            assert s[kind]["shape"] == [batch, 3, 32, 32] and s[kind]["dtype"] == dtype, (kind, s[kind])
+        # Each ratio is the median of runs back to back in this invocation, not of two medians.
+        for kind, key in (("template", "ratio"), ("template_model_input", "model_input_ratio")):
+            pairs = [t / ref for t, ref in zip(s[kind]["runs"], s["reference"]["runs"])]
+            assert s[key] == pytest.approx(sum(pairs) / 2), (kind, s)
+        assert s["pair_ratios"] == pytest.approx([t / ref for t, ref in zip(s["template"]["runs"],
+                                                                            s["reference"]["runs"])])
         assert s["goal_met"] == (s["ratio"] >= s["goal"])
         assert f"| {name} | {files} | {batch} |" in r.stdout
     with Image.open(next((tmp_path / "data" / "tiny_photos" / "daisy").glob("*.jpg"))) as photo:
