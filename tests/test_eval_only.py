@@ -99,3 +99,14 @@ def test_eval_only_never_touches_the_training_images(trained_run, tmp_path, caps
     assert json.loads((tmp_path / "out" / "eval.json").read_text())["val_count"] == 5
     assert "verify: 5 images checked" in out
     assert "gpu pipeline: 5 val images decoded" in out and "train images decoded" not in out
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_under_ddp(trained_run, tmp_path):
+    """Every rank reads the same checkpoint and refuses it alike: rank 0 alone prints the line."""
+    best = trained_run["run_dir"] / "checkpoints" / "best.pt"
+    proc = run_entry("train_multi_gpu_ddp.py", *trained_run["base"], "model.name=resnet34", "--eval-only",
+                     "--resume", best, "--output-dir", tmp_path / "other", nproc=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors == [
+        "error: checkpoint is a resnet18, this run builds a resnet34 (model.name); resume with "
+        "model.name=resnet18, or start from its weights with --weights"], (proc.stdout + proc.stderr)[-3000:]

@@ -224,8 +224,8 @@ def test_an_added_augmentation_is_applied_or_refused_never_dropped(pipeline, tmp
     if pipeline == "gpu":
         assert code == 2 and not calls
         assert [line for line in err.splitlines() if line.startswith("error:")] == [
-            "error: data.pipeline=gpu reproduces RandomResizedCrop, RandomHorizontalFlip, ToTensor and "
-            "Normalize only, and the train transform (data.py) also has CountingJitter; use data.pipeline=pil "
+            "error: data.pipeline=gpu reproduces RandomResizedCrop, RandomHorizontalFlip, PILToTensor or "
+            "ToTensor, and Normalize only, and the train transform (data.py) also has CountingJitter; use data.pipeline=pil "
             "(or auto), or implement it in utils/gpu_pipeline.py"]
         assert not (tmp_path / "run").exists()  # refused before any work
     else:  # pil, and auto (pil on a CPU): every training image went through the jitter

@@ -223,15 +223,17 @@ def load_checkpoint(path, map_location):
 
 
 def check_compatible(state, model, classes, model_name=None):
-    """Refuse a checkpoint of another class list or architecture, saying what differs."""
+    """Refuse a checkpoint of another class list or architecture, saying what differs. Every rank
+    checks the same state (agree_resume hands rank 0's to all), so rank 0 alone prints the refusal."""
     theirs_classes = list(state.get("classes", classes))
     if theirs_classes != list(classes):
         raise UserError(f"checkpoint has {len(theirs_classes)} classes {theirs_classes}, the data has "
-                        f"{len(classes)} {list(classes)}; resume needs the same class folders")
+                        f"{len(classes)} {list(classes)}; resume needs the same class folders", every_rank=True)
     theirs_name = (state.get("config") or {}).get("model", {}).get("name")
     if model_name and theirs_name and theirs_name != model_name:
         raise UserError(f"checkpoint is a {theirs_name}, this run builds a {model_name} (model.name); "
-                        f"resume with model.name={theirs_name}, or start from its weights with --weights")
+                        f"resume with model.name={theirs_name}, or start from its weights with --weights",
+                        every_rank=True)
     own = unwrap(model).state_dict()
     theirs = state["model"]
     diff = sorted(set(own) ^ set(theirs))
@@ -239,7 +241,7 @@ def check_compatible(state, model, classes, model_name=None):
     if diff or shapes:
         what = f"{len(diff)} tensor names differ, e.g. {diff[:2]}" if diff else \
             f"tensor shapes differ, e.g. {shapes[0]} {tuple(theirs[shapes[0]].shape)} vs {tuple(own[shapes[0]].shape)}"
-        raise UserError(f"checkpoint is for another model: {what}")
+        raise UserError(f"checkpoint is for another model: {what}", every_rank=True)
 
 
 def best_weights(state):

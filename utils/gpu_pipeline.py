@@ -78,7 +78,7 @@ from torchvision.transforms import functional as TF
 from utils.errors import UserError
 
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
-DEVICE_TRAIN_STEPS = "RandomResizedCrop, RandomHorizontalFlip, ToTensor and Normalize"
+DEVICE_TRAIN_STEPS = "RandomResizedCrop, RandomHorizontalFlip, PILToTensor or ToTensor, and Normalize"
 CACHE_HINT = "; use data.gpu_decode=auto (decode every batch instead), data.pipeline=pil, or a smaller data.cache_size"
 
 
