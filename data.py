@@ -264,6 +264,7 @@ class RandomResizedCrop(transforms.RandomResizedCrop):
         # The box in the decoded pixels (to the nearest one where the JPEG was decoded smaller).
         box = TF.pil_to_tensor(img)[:, round(top / s):round((top + h) / s), round(left / s):round((left + w) / s)]
         with one_thread():
+            # interpolate resizes uint8 as it is; TF.resize would go through float and back.
             if self.interpolation != transforms.InterpolationMode.BILINEAR:
                 return TF.resize(box, list(self.size), self.interpolation, antialias=self.antialias)
             return torch.nn.functional.interpolate(box[None], size=self.size, mode="bilinear", antialias=True)[0]

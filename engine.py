@@ -332,7 +332,6 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
             "global_step": global_step, "input_bound": waits.input_bound()}
 
 
-
 def _skip_trained(batches, resume):
     """A mid-epoch resume: draw and drop the batches already trained, so that the sampler order and
     the augmentation's random draws continue exactly as in the interrupted run (no forward/backward).
