@@ -96,7 +96,7 @@ def runs(tmp_path_factory):
     r = run_entry(DDP, *run_args(data, ddp, *extra, epochs=1), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     # Two restarts, as in tests/test_kill_resume.py: once, under CI's load, the restarted rank 1 aborted in
-    # native code (SIGABRT, "terminate called without an active exception"; not reproduced in 60 runs here).
+    # native code (SIGABRT, "terminate called without an active exception"; not reproduced in 68 runs here).
     # A second restart must end the same; PYTHONFAULTHANDLER puts such an abort's Python stacks in the log.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=2",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / "tests" / "_faults.py"),
