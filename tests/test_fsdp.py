@@ -113,8 +113,9 @@ def test_a_killed_rank_restarts_from_the_sharded_checkpoint_and_ends_with_ddps_w
     resumed = [x for x in killed.stdout.splitlines() if "resumed from" in x]
     assert resumed and "at epoch 1 after its step 2" in resumed[0], killed.stdout[-3000:]
     if len(resumed) > 1:  # a restart the fault did not ask for: the run still ends exactly, but say so
-        fatal = max(killed.stderr.find("Fatal Python error"), 0)  # faulthandler's stacks, where there are some
-        warnings.warn(f"torchrun resumed the FSDP run {len(resumed)} times: {killed.stderr[fatal:fatal + 3000]}")
+        fatal = killed.stderr.find("Fatal Python error")  # faulthandler's stacks, else the log's end
+        why = killed.stderr[fatal:fatal + 3000] if fatal >= 0 else killed.stderr[-3000:]
+        warnings.warn(f"torchrun resumed the FSDP run {len(resumed)} times: {why}")
     a, b = load(runs["ddp"] / "checkpoints" / "last.pt"), load(out / "checkpoints" / "last.pt")
     assert a["model"].keys() == b["model"].keys()
     assert [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])] == []
