@@ -1,4 +1,4 @@
-"""The training and evaluation loop shared by train.py, train_multi_gpu_dp.py and train_multi_gpu_ddp.py.
+"""The training and evaluation loop shared by train.py and the train_multi_gpu_*.py scripts.
 
 What you are most likely to change sits at the top:
     Criterion        the loss (cross entropy; e.g. a focal loss goes in Criterion.loss)
@@ -7,7 +7,7 @@ What you are most likely to change sits at the top:
     evaluate         the validation pass: loss, accuracy, confusion matrix, the worst mistakes
 
 The entry scripts build the device, the (wrapped) model and the loaders; `fit`
-does everything else the same way for all three: optimizer and schedule,
+does everything else the same way for all four: optimizer and schedule,
 resume, epochs, exact distributed evaluation, checkpoints and logs.
 
 Per step nothing is copied back to the host: losses are summed on the device

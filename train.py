@@ -29,7 +29,7 @@ def main(argv=None):
     use_device(device)
     dist_info = DistInfo(device=device)
     if cfg.model.sync_bn:
-        print("note: --syncBN applies to train_multi_gpu_ddp.py only; one device keeps plain BatchNorm")
+        print("note: --syncBN applies to the DDP and FSDP scripts only; one device keeps plain BatchNorm")
     torch.manual_seed(cfg.train.seed)
 
     # -- data: the whole training set on this one process, reshuffled every epoch --

@@ -41,7 +41,7 @@ def main(argv=None):
     use_device(device)
     dist_info = DistInfo(device=device)
     if cfg.model.sync_bn:
-        print("note: --syncBN applies to train_multi_gpu_ddp.py only; DataParallel keeps per-GPU BatchNorm")
+        print("note: --syncBN applies to the DDP and FSDP scripts only; DataParallel keeps per-GPU BatchNorm")
     torch.manual_seed(cfg.train.seed)
 
     # -- data: one process loads the global batch, DataParallel splits it --

@@ -1,9 +1,14 @@
-"""README.md, README.zh-CN.md and docs/ are the user's manual: their commands, keys, files, flags and test names must be real.
+"""README.md, README.zh-CN.md, docs/ and BENCHMARKS.md are the user's manual: their commands, keys, files, flags
+and test names must be real.
 
 The two guides are one guide in two languages: every check of the English one runs on the
 Chinese one too, and they must cite the same commands, keys and links, section by section.
+A guide stays readable: its Start fits on one screen and its contents line reaches every section.
+BENCHMARKS.md is a reference: each figure's command is real, and the device call is gpu_checks.sh's own.
 """
+import math
 import re
+import unicodedata
 
 import pytest
 import yaml
@@ -15,7 +20,11 @@ from utils.config import CLASSIC_FLAGS, Config, flatten
 README = (REPO / "README.md").read_text()
 GUIDES = {name: (REPO / name).read_text() for name in ("README.md", "README.zh-CN.md")}
 DOCS = {p.name: p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
-MANUAL = {**GUIDES, **DOCS}
+BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
+MANUAL = {**GUIDES, **DOCS, "BENCHMARKS.md": BENCHMARKS}
+TOP_LEVEL = {*GUIDES, "BENCHMARKS.md"}  # the files whose links are relative to the repository root
+GPU_CHECKS = (REPO / "tools" / "gpu_checks.sh").read_text()
+SCREEN = (25, 100)  # rows, columns: a terminal or an unscrolled browser window
 SECTIONS = {  # the sections every guide has, in this order; one list per language, item for item
     "README.md": ("## Start", "## Which script", "## More than one machine", "## Data", "## Config",
                   "## Make it yours", "## What a run writes", "## Use the trained model",
@@ -43,6 +52,25 @@ def sections(text):
     return [part.split("\n", 1)[1] for part in re.split(r"^(?=## )", text, flags=re.M)[1:]]
 
 
+def slug(heading):
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
+
+
+def screen_rows(text):
+    """Rows the text takes on a SCREEN-wide display (a CJK character is two columns wide)."""
+    width = SCREEN[1]
+    return sum(max(1, math.ceil(sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line) / width))
+               for line in text.rstrip("\n").splitlines())
+
+
+def code_spans(text):
+    """Every command written in the text: inline `code` and the lines of code blocks."""
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.M | re.S)
+    inline = re.findall(r"`([^`]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))  # may wrap a line
+    return [span.replace("\n", " ") for span in inline] + [line for block in blocks for line in block.splitlines()]
+
+
 def commands(section):
     """The code-block lines of a section, comments and indentation dropped: what a user types or sees."""
     lines, inside = [], False
@@ -56,8 +84,67 @@ def commands(section):
     return lines
 
 
-def test_readme_is_a_guide_of_at_most_12_kb():
-    assert len(README.encode()) <= 12 * 1024
+@guides
+def test_each_guides_start_fits_on_one_screen(name):
+    start = sections(GUIDES[name])[0]
+    rows = screen_rows(start)
+    assert rows <= SCREEN[0], f"{name}: the Start section takes {rows} rows of {SCREEN[1]} columns"
+
+
+@guides
+def test_each_guides_contents_line_reaches_every_section_in_order(name):
+    top = GUIDES[name].split("\n## ", 1)[0]
+    anchors = re.findall(r"\]\(#([^)]+)\)", top)
+    headings = re.findall(r"^## .*", GUIDES[name], flags=re.M)
+    assert anchors == [slug(h) for h in headings], "the contents above the first section"
+
+
+def test_every_anchor_link_reaches_a_heading():
+    for name, text in MANUAL.items():
+        base = REPO if name in TOP_LEVEL else REPO / "docs"
+        for target, anchor in re.findall(r"\]\(((?!https?:)[^)#]*)#([^)]+)\)", text):
+            linked = (base / target).read_text() if target else text
+            assert anchor in {slug(h) for h in re.findall(r"^#+ .*", linked, flags=re.M)}, (name, target, anchor)
+
+
+def test_benchmarks_is_a_reference_without_history():
+    assert len(BENCHMARKS.encode()) <= 15 * 1024
+    assert not re.findall(r"(?<![\w/-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])", BENCHMARKS)
+    assert not re.findall(r"\bissues? \d+", BENCHMARKS, flags=re.I)
+    assert BENCHMARKS.count("\n## GPU input pipeline\n") == 1
+
+
+def test_benchmarks_device_call_is_the_one_gpu_checks_sh_documents():
+    call = BENCHMARKS.split("**The device call.**", 1)[1].split("\n## ", 1)[0]
+    lines = [line for block in re.findall(r"^```bash\n(.*?)^```", call, flags=re.M | re.S) for line in block.splitlines()]
+    assert "WHEELS=.whl OUT=\"$OUT\" bash tools/gpu_checks.sh" in lines and any("pip download" in x for x in lines)
+    header = "\n".join(line[1:].strip() for line in GPU_CHECKS.splitlines() if line.startswith("#"))
+    for line in lines:
+        assert line in header, line
+
+
+def test_benchmarks_lists_what_every_gpu_checks_step_measures():
+    known = re.search(r"^KNOWN\+=\(([^)]*)\)", GPU_CHECKS, flags=re.M).group(1).split()
+    steps = set(known + re.findall(r"^\s+step (\w+) ", GPU_CHECKS, flags=re.M)) - {"setup"}  # setup installs
+    unmeasured = BENCHMARKS.split("## GPU figures not yet measured", 1)[1].split("\n## ", 1)[0]
+    assert len(steps) >= 5
+    for step in steps:
+        assert re.search(rf"^\d+\. `{step}`", unmeasured, flags=re.M), step
+
+
+def test_every_flag_given_to_a_benchmark_or_tool_is_one_it_takes():
+    """A flag after benchmarks/X.py or tools/X.py in any command of the manual is in that script (or is
+    one of the training command line's, for the tools that read it)."""
+    config_flags = (REPO / "utils" / "config.py").read_text()
+    checked = 0
+    for name, text in MANUAL.items():
+        for span in code_spans(text):
+            for script, args in re.findall(r"((?:benchmarks|tools)/\w+\.py)((?: +[^|;&#]*)?)", span):
+                source = (REPO / script).read_text()
+                for flag in re.findall(r"(?<!\S)(--[a-z][\w-]*)", args):
+                    assert f'"{flag}"' in source or f'"{flag}"' in config_flags, (name, script, flag)
+                    checked += 1
+    assert checked >= 8
 
 
 @guides
@@ -109,7 +196,7 @@ def test_every_file_in_the_file_map_exists(name):
 
 def test_every_local_link_resolves():
     for name, text in MANUAL.items():
-        base = REPO if name in GUIDES else REPO / "docs"
+        base = REPO if name in TOP_LEVEL else REPO / "docs"
         for target in local_links(text):
             assert (base / target).exists(), f"{name} links to {target}"
 
