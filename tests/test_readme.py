@@ -17,7 +17,6 @@ from omegaconf import OmegaConf
 from conftest import REPO
 from utils.config import CLASSIC_FLAGS, Config, flatten
 
-README = (REPO / "README.md").read_text()
 GUIDES = {name: (REPO / name).read_text() for name in ("README.md", "README.zh-CN.md")}
 DOCS = {p.name: p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
 BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
@@ -99,6 +98,12 @@ def test_each_guides_contents_line_reaches_every_section_in_order(name):
     assert anchors == [slug(h) for h in headings], "the contents above the first section"
 
 
+@guides
+def test_every_page_of_the_manual_is_linked_from_each_guide(name):
+    pages = {f"docs/{page}" for page in DOCS} | {"BENCHMARKS.md"}
+    assert pages - local_links(GUIDES[name]) == set()
+
+
 def test_every_anchor_link_reaches_a_heading():
     for name, text in MANUAL.items():
         base = REPO if name in TOP_LEVEL else REPO / "docs"
@@ -107,11 +112,17 @@ def test_every_anchor_link_reaches_a_heading():
             assert anchor in {slug(h) for h in re.findall(r"^#+ .*", linked, flags=re.M)}, (name, target, anchor)
 
 
-def test_benchmarks_is_a_reference_without_history():
+def test_benchmarks_is_a_reference_of_at_most_15_kb_with_one_gpu_pipeline_section():
     assert len(BENCHMARKS.encode()) <= 15 * 1024
-    assert not re.findall(r"(?<![\w/-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])", BENCHMARKS)
-    assert not re.findall(r"\bissues? \d+", BENCHMARKS, flags=re.I)
     assert BENCHMARKS.count("\n## GPU input pipeline\n") == 1
+
+
+def test_the_manual_names_no_commit_or_issue_of_this_project():
+    """The history is git's: no commit hash (7-40 hex digits; a weights file's hash suffix is no commit)
+    and no issue number. Upstream bugs are cited as owner/repo#N."""
+    for name, text in MANUAL.items():
+        assert not re.findall(r"(?<![\w/-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])", text), name
+        assert not re.findall(r"\bissues? \d+", text, flags=re.I), name
 
 
 def test_benchmarks_device_call_is_the_one_gpu_checks_sh_documents():
