@@ -112,6 +112,15 @@ def test_every_anchor_link_reaches_a_heading():
             assert anchor in {slug(h) for h in re.findall(r"^#+ .*", linked, flags=re.M)}, (name, target, anchor)
 
 
+def test_every_pointer_from_the_code_into_a_section_of_benchmarks_finds_it():
+    """Code points into BENCHMARKS.md by a section named in quotes after it; that heading must be there."""
+    headings = {h.lstrip("#").strip() for h in re.findall(r"^#+ .*", BENCHMARKS, flags=re.M)}
+    files = [p for pattern in ("*.py", "*/*.py", "tools/*.sh", "requirements.txt") for p in REPO.glob(pattern)]
+    for path in files:
+        for section in re.findall(r'BENCHMARKS\.md,\s+(?:#\s*)?section\s+"([^"]+)"', path.read_text()):
+            assert section in headings, (path.name, section)
+
+
 def test_benchmarks_is_a_reference_of_at_most_15_kb_with_one_gpu_pipeline_section():
     assert len(BENCHMARKS.encode()) <= 15 * 1024
     assert BENCHMARKS.count("\n## GPU input pipeline\n") == 1
