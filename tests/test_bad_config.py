@@ -87,6 +87,9 @@ CASES = {
     # Refused by the loop before it writes anything: the fresh --output-dir is not even created.
     "accum_steps_over_an_epoch": (lambda e: ["--output-dir", e["base"] / "unborn", "train.accum_steps=7"], 2,
                                   "train.accum_steps=7 is more than the 6 batches of an epoch per process"),
+    "compile_with_activation_checkpointing": (
+        lambda e: ["--output-dir", e["base"] / "unborn", "train.compile=true", "model.activation_checkpointing=true"],
+        2, "train.compile=true cannot compile model.activation_checkpointing=true's blocks"),
     "class_weights_count": (lambda e: ["--output-dir", e["base"] / "unborn", "optim.class_weights=[1,2,3]"], 2,
                             "optim.class_weights has 3 weights, the data has 5 classes"),
 }
