@@ -54,6 +54,18 @@ def cli_entry(main):
     return wrapper
 
 
+def refuse_launcher(script):
+    """A one-process script started by torchrun or another launcher (WORLD_SIZE > 1 in the
+    environment) would run WORLD_SIZE trainings that know nothing of each other, on one GPU,
+    all writing one run directory: stop, before any data is read, naming the script to use."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise UserError(f"{script} trains as one process, but a launcher started {world} of them (WORLD_SIZE="
+                        f"{world}): each would train alone and all would write one run directory; launch "
+                        "train_multi_gpu_ddp.py instead (or train_multi_gpu_fsdp.py to shard the model)",
+                        every_rank=True)
+
+
 # gloo's "Timed out waiting 1800000ms for recv operation to complete", NCCL's watchdog message.
 _TIMEOUT = re.compile(r"Timed out waiting (\d+) ?ms for \w+ operation|Watchdog caught collective operation timeout")
 
