@@ -73,7 +73,7 @@ def load_optimizer_state(optimizer, saved):
     optimizer.load_state_dict({**saved, "param_groups": groups})
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = optimizer.state[p]
+            state = optimizer.state.get(p, {})  # .get: no empty entry for a parameter without state
             for key, value in list(state.items()):
                 if key != "step" and torch.is_tensor(value) and value.shape == p.shape \
                         and value.stride() != p.stride():
