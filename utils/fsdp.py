@@ -196,7 +196,8 @@ def shard_model(model, mesh, amp_dtype=None, names=(), verbose=True):
     # FSDP2 shards contiguous parameters only (each becomes rows of one flat buffer), so a channels_last
     # model (build_model on CUDA) goes back to NCHW weights. Its channels_last inputs still get NHWC
     # convolutions: cuDNN (and oneDNN) choose NHWC when the input or the weight is NHWC.
-    model.to(memory_format=torch.contiguous_format)
+    if not all(p.is_contiguous() for p in model.parameters()):
+        model.to(memory_format=torch.contiguous_format)
     _broadcast_state(model)
     block_mp, root_mp, norm_mp = _policies(amp_dtype)
     kwargs = lambda mp: {"mesh": mesh, **({"mp_policy": mp} if mp is not None else {})}  # noqa: E731
