@@ -3,9 +3,10 @@
     python -m pytest tests/test_fsdp.py -q
 
 One worker launch (tests/_fsdp_worker.py) compares sharded training with DDP, the shards'
-sizes, the full state dict, activation checkpointing and bf16; the entry-script tests run the
-real scripts under torchrun: a run whose rank is killed mid-epoch and restarted by torchrun ends
-with DDP's weights bit for bit, and predict.py, export.py and --eval-only take its run directory.
+sizes, the full state dict, activation checkpointing, bf16 with its BatchNorm groups, and a
+channels_last model; the entry-script tests run the real scripts under torchrun: a run whose
+rank is killed mid-epoch and restarted by torchrun ends with DDP's weights bit for bit, and
+predict.py, export.py and --eval-only (train.py's and the FSDP script's) take its run directory.
 """
 import json
 import os
