@@ -181,7 +181,8 @@ def _broadcast_state(model):
 
 def _norm_groups(model, blocks):
     """The BatchNorms with weights, as fp32 groups: one per block and one for the root's, so bf16
-    adds two collectives per block, not two per BatchNorm (ResNet34: 10 groups, not 41)."""
+    adds one group (its gathers and its reduction) per block, not per BatchNorm (ResNet34: 10 groups
+    in all, not 41)."""
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)]
     if not GROUP_LISTS:
         return [[m] for m in norms]
