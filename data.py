@@ -672,7 +672,7 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     if resolve_pipeline(data_cfg.pipeline, device, build_transforms(**_transform_args(data_cfg))[0]) == "gpu":
         return GpuLoader(dataset, batch_size, sampler, data_cfg, device, train, workers=workers,
                          channels_last=use_channels_last(channels_last, device), verbose=is_main_process(),
-                         procs_per_node=procs_per_node)
+                         procs_per_node=procs_per_node, prefetch_factor=PREFETCH_FACTOR)
     # Workers that live across epochs spare a start per epoch per process; PersistentLoader still
     # gives every epoch the seeds fresh workers would take, so resumed runs stay exact.
     persistent = data_cfg.persistent_workers and workers > 0

@@ -296,6 +296,71 @@ def test_the_loader_checks_the_budget_before_decoding(tmp_path, monkeypatch):
                     procs_per_node=2)
 
 
+GIB = 2**30
+
+
+@pytest.mark.parametrize("gpu_free, host_available, refusal", [
+    # 10,000 images at 320 px: a 2.86 GiB cache. 8 processes x 8 workers: 17 chunks of 32 in flight each.
+    (80 * GIB, 4 * GIB, None),  # a whole host copy per process would need 8 x 2 x 2.86 GiB of the host
+    (80 * GIB, 2 * GIB, "would cache 159.4 MiB in host memory on its way to cuda:0, over half of the "
+                        "2.00 GiB available / 8 processes on this node"),
+    (4 * GIB, 64 * GIB, "would cache 2.86 GiB in the memory of cuda:0, over half of the 4.00 GiB available"),
+])
+def test_a_device_cache_counts_its_gpu_and_the_nodes_host_memory(gpu_free, host_available, refusal, monkeypatch):
+    """The cache on the GPU is built there chunk by chunk: the node's host memory must hold every
+    process's chunks in flight at once, not a copy of the cache per process."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gpu_free, 141 * GIB))
+    monkeypatch.setattr(gpu_pipeline, "host_available_bytes", lambda: host_available)
+    why = gpu_pipeline.cache_memory_refusal(10_000, 3 * 320 * 320, torch.device("cuda", 0), on_device=True,
+                                            pin=False, workers=8, procs_per_node=8)
+    assert why == (refusal and "data.pipeline=gpu " + refusal)
+
+
+def test_a_device_cache_short_of_host_memory_is_refused_under_once(tmp_path, monkeypatch):
+    """data.gpu_decode=once, the cache on cuda:0 with room on the GPU, but not enough host memory for the
+    node's processes to decode it: one line, before anything is decoded or put on the device (on this CPU
+    machine anything put on cuda:0 would raise)."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    cfg = _cfg(root, "data.pipeline=gpu", "data.cache_size=64", "data.gpu_decode=once")
+    train_set, _, _ = build_datasets(cfg.data)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * GIB, 141 * GIB))
+    monkeypatch.setattr(gpu_pipeline, "host_available_bytes", lambda: 900_000)
+    monkeypatch.setattr(gpu_pipeline, "build_cache", lambda *a, **k: pytest.fail("decoded before the check"))
+    # 20 images x 3 x 64 x 64 = 0.2 MiB in flight (fewer than a chunk), 2 processes: over half of 450 kB.
+    with pytest.raises(UserError, match=r"^data.pipeline=gpu would cache 0.2 MiB in host memory on its way to "
+                                        r"cuda:0, over half of the 0.9 MiB available / 2 processes on this node"):
+        GpuLoader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, torch.device("cuda", 0), True,
+                  verbose=False, procs_per_node=2)
+
+
+def test_the_cache_is_built_chunk_by_chunk_into_its_destination(tmp_path):
+    """build_cache copies each decoded chunk straight into the cache tensor: with the cache on another
+    device (here 'meta', which stands for the GPU and takes no memory) no host tensor larger than a
+    chunk is ever made. Chunk boundaries change nothing in what is cached."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    train_set, _, _ = build_datasets(_cfg(root, "data.pipeline=gpu").data)
+    item, size, chunk = gpu_pipeline._TrainCacheItem(64), 3 * 64 * 64, 4
+    largest = []
+
+    class HostTensors(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    largest.append(t.untyped_storage().nbytes())
+            return out
+
+    on_device = torch.empty(len(train_set), 3, 64, 64, dtype=torch.uint8, device="meta")
+    with HostTensors():
+        sizes, labels = gpu_pipeline.build_cache(train_set, item, 0, on_device, chunk=chunk)
+    assert len(train_set) == 20 and max(largest) == chunk * size  # the collated chunk; the cache is 5 times that
+    assert labels.tolist() == [label for _, label in train_set.samples] and (sizes == torch.tensor([40, 52])).all()
+    chunked, whole = (torch.empty(20, 3, 64, 64, dtype=torch.uint8) for _ in range(2))
+    assert torch.equal(gpu_pipeline.build_cache(train_set, item, 0, chunked, chunk=chunk)[1], labels)
+    gpu_pipeline.build_cache(train_set, item, 0, whole, chunk=32)
+    assert torch.equal(chunked, whole) and chunked.float().std() > 10
+
 def test_make_loader_passes_channels_last_on_cuda_only(tmp_path, monkeypatch):
     """model.channels_last reaches the device path's loader on CUDA (else the loop converts every
     batch again); on the CPU it stays off, as for the model. GpuLoader is recorded, not built, for cuda."""
@@ -451,6 +516,35 @@ def test_per_batch_decoding_falls_back_per_image_for_what_is_not_a_plain_jpeg(tm
         assert (x - xp).abs().max() < 0.1, (x - xp).abs().max()  # a level or two of uint8 rounding
     assert sum(len(y) for _, y in got) == 19
 
+
+def test_per_batch_decoding_lets_go_of_a_batchs_decodes_before_it_trains(tmp_path, monkeypatch, capsys):
+    """train.py's main with data.gpu_decode=per_batch: at every forward of the model (each training step
+    and each evaluation batch) none of the full-size images decoded so far is still alive."""
+    import weakref
+    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
+    real, decoded, alive = gpu_pipeline._decode_jpegs, [], []
+
+    def decode(parts, device):
+        images = real(parts, device)
+        decoded.extend(weakref.ref(img) for img in images)
+        return images
+
+    def count_alive(module, args):
+        # The model's modules only: the val Resize and CenterCrop are modules too, and run on the decodes.
+        if decoded and next(module.parameters(), None) is not None:
+            alive.append(sum(ref() is not None for ref in decoded))
+
+    monkeypatch.setattr(gpu_pipeline, "_decode_jpegs", decode)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_alive)
+    try:
+        train_script.main([*FAST_ARGS, "--data-path", str(root), "--output-dir", str(tmp_path / "run"),
+                           "data.pipeline=gpu", "data.gpu_decode=per_batch"])
+    except SystemExit as e:
+        pytest.fail(f"exit {e.code}: {capsys.readouterr().err[-2000:]}")
+    finally:
+        hook.remove()
+    assert "JPEGs decoded on cpu every batch" in capsys.readouterr().out
+    assert len(decoded) == 3 * 4 + 5 and alive == [0] * len(alive) and alive  # 3 steps of 4, 5 val images
 
 @pytest.mark.slow
 def test_per_batch_decoding_trains_and_resumes_mid_epoch_exactly(tmp_path, monkeypatch, capsys):
