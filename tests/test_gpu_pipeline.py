@@ -336,7 +336,7 @@ def test_a_device_cache_short_of_host_memory_is_refused_under_once(tmp_path, mon
 def test_the_cache_is_built_chunk_by_chunk_into_its_destination(tmp_path):
     """build_cache copies each decoded chunk straight into the cache tensor: with the cache on another
     device (here 'meta', which stands for the GPU and takes no memory) no host tensor larger than a
-    chunk is ever made. Chunk boundaries change nothing in what is cached."""
+    chunk is ever made. Neither the chunk size nor a worker changes what is cached."""
     from torch.utils._python_dispatch import TorchDispatchMode
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     train_set, _, _ = build_datasets(_cfg(root, "data.pipeline=gpu").data)
@@ -358,7 +358,7 @@ def test_the_cache_is_built_chunk_by_chunk_into_its_destination(tmp_path):
     assert labels.tolist() == [label for _, label in train_set.samples] and (sizes == torch.tensor([40, 52])).all()
     chunked, whole = (torch.empty(20, 3, 64, 64, dtype=torch.uint8) for _ in range(2))
     assert torch.equal(gpu_pipeline.build_cache(train_set, item, 0, chunked, chunk=chunk)[1], labels)
-    gpu_pipeline.build_cache(train_set, item, 0, whole, chunk=32)
+    gpu_pipeline.build_cache(train_set, item, 1, whole, chunk=32)
     assert torch.equal(chunked, whole) and chunked.float().std() > 10
 
 def test_make_loader_passes_channels_last_on_cuda_only(tmp_path, monkeypatch):

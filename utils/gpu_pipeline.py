@@ -231,7 +231,8 @@ class _ValCacheItem:
         return self.geometric(img)
 
 
-CHUNK = 32  # images per decoded batch while the cache is built (the host's share of a device cache)
+# While the cache is built: images per decoded chunk, and the chunks each worker keeps ready.
+CHUNK, CHUNK_PREFETCH = 32, 2
 
 
 def build_cache(dataset, item_fn, workers, images, chunk=CHUNK):
@@ -245,7 +246,8 @@ def build_cache(dataset, item_fn, workers, images, chunk=CHUNK):
     """
     decoding = copy.copy(dataset)
     decoding.transform = item_fn
-    loader = DataLoader(decoding, batch_size=chunk, shuffle=False, num_workers=workers)
+    loader = DataLoader(decoding, batch_size=chunk, shuffle=False, num_workers=workers,
+                        prefetch_factor=CHUNK_PREFETCH if workers > 0 else None)
     sizes = torch.empty(len(dataset), 2, dtype=torch.long)
     labels, at = torch.empty(len(dataset), dtype=torch.long), 0
     for (pixels, hw), label in loader:
@@ -257,8 +259,8 @@ def build_cache(dataset, item_fn, workers, images, chunk=CHUNK):
 
 
 def chunks_in_flight(workers):
-    # DataLoader's default prefetch (2 batches per worker), plus the one being copied.
-    return 2 * workers + 1
+    # Those the workers keep ready, plus the one being copied.
+    return CHUNK_PREFETCH * workers + 1
 
 
 def cache_memory_refusal(n_images, item_bytes, device, on_device, pin, workers, procs_per_node):
