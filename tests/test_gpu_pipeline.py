@@ -517,11 +517,10 @@ def test_per_batch_decoding_falls_back_per_image_for_what_is_not_a_plain_jpeg(tm
     assert sum(len(y) for _, y in got) == 19
 
 
-def test_per_batch_decoding_lets_go_of_a_batchs_decodes_before_it_trains(tmp_path, monkeypatch, capsys):
-    """train.py's main with data.gpu_decode=per_batch: at every forward of the model (each training step
-    and each evaluation batch) none of the full-size images decoded so far is still alive."""
+def _watch_decodes(monkeypatch):
+    """-> (weak references to every full-size image decoded, at each forward of the model how many of them
+    are alive, the hook to remove when done)."""
     import weakref
-    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
     real, decoded, alive = gpu_pipeline._decode_jpegs, [], []
 
     def decode(parts, device):
@@ -535,21 +534,15 @@ def test_per_batch_decoding_lets_go_of_a_batchs_decodes_before_it_trains(tmp_pat
             alive.append(sum(ref() is not None for ref in decoded))
 
     monkeypatch.setattr(gpu_pipeline, "_decode_jpegs", decode)
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_alive)
-    try:
-        train_script.main([*FAST_ARGS, "--data-path", str(root), "--output-dir", str(tmp_path / "run"),
-                           "data.pipeline=gpu", "data.gpu_decode=per_batch"])
-    except SystemExit as e:
-        pytest.fail(f"exit {e.code}: {capsys.readouterr().err[-2000:]}")
-    finally:
-        hook.remove()
-    assert "JPEGs decoded on cpu every batch" in capsys.readouterr().out
-    assert len(decoded) == 3 * 4 + 5 and alive == [0] * len(alive) and alive  # 3 steps of 4, 5 val images
+    return decoded, alive, torch.nn.modules.module.register_module_forward_pre_hook(count_alive)
+
 
 @pytest.mark.slow
 def test_per_batch_decoding_trains_and_resumes_mid_epoch_exactly(tmp_path, monkeypatch, capsys):
     """train.py's main with data.gpu_decode=per_batch and a worker: a run stopped by Ctrl-C in epoch 2
-    and resumed ends with the weights and metrics of the run that was not stopped."""
+    and resumed ends with the weights and metrics of the run that was not stopped. In the run that is not
+    stopped, no full-size decode is still alive at any forward of the model (training step or evaluation):
+    each batch lets go of them before it is handed on."""
     import signal
 
     from _resume_utils import assert_same_run, metrics, run_args, run_main
@@ -557,9 +550,14 @@ def test_per_batch_decoding_trains_and_resumes_mid_epoch_exactly(tmp_path, monke
     keys = ["data.pipeline=gpu", "data.gpu_decode=per_batch", "data.num_workers=1", "data.val_rate=0.5"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    decodes, alive, hook = _watch_decodes(monkeypatch)
     try:
-        assert run_main(train_script, run_args(root, tmp_path / "straight", *keys, epochs=2), monkeypatch) == 0
+        try:
+            assert run_main(train_script, run_args(root, tmp_path / "straight", *keys, epochs=2), monkeypatch) == 0
+        finally:
+            hook.remove()
         assert "JPEGs decoded on cpu every batch" in capsys.readouterr().out
+        assert len(decodes) == 2 * (2 * 4 + 10) and alive == [0] * len(alive) and alive  # 2 steps, 10 val images
         real, decoded = gpu_pipeline.JpegBatches.decode, []
 
         def decode_then_interrupt(self, parts, meta):
