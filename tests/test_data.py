@@ -52,6 +52,17 @@ def test_split_is_per_class_and_respects_val_rate(uneven_root):
     assert [sum(1 for _, y in half.val if y == c) for c in range(3)] == [5, round(2.5), 10]
 
 
+def test_split_rounds_each_class_to_the_nearest_image(tmp_path):
+    """At the default data.val_rate=0.2, classes of 7, 8, 12 and 13 images owe 1.4, 1.6, 2.4 and 2.6
+    validation images: each class rounds its own share to the nearest image, neither down nor up."""
+    root = tmp_path / "remainders"
+    for name, n in (("a", 7), ("b", 8), ("c", 12), ("d", 13)):
+        make_image_folder(root, per_class=n, classes=(name,), size=(8, 8))
+    split = split_dataset(root, val_rate=0.2, split_seed=0)
+    assert [sum(y == c for _, y in split.val) for c in range(4)] == [1, 2, 2, 3]
+    assert [sum(y == c for _, y in split.train) for c in range(4)] == [6, 6, 10, 10]
+
+
 def test_split_is_deterministic_and_leaves_global_rng_alone(uneven_root):
     first = split_dataset(uneven_root, val_rate=0.3, split_seed=7)
 
