@@ -206,7 +206,7 @@ def node_name():
 # --------------------------------------------------------------------------- transforms
 
 def build_transforms(img_size, val_resize, min_crop_scale=0.08):
-    """(train, val) transforms: an image from load_image -> uint8 (3, H, W). The training loop makes each
+    """(train, val) transforms: an image from utils.decoding.load_image -> uint8 (3, H, W). The loop makes each
     batch float, normalised with NormalizeOnDevice's mean and std, on the device: the workers pass a
     quarter of the bytes. Add your augmentation to `train` after the crop, which gives a uint8 tensor
     (torchvision's transforms take one). One that needs floats: put transforms.ConvertImageDtype(
