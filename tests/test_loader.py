@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from torchvision import transforms as T
 
 import data
 import engine
@@ -20,9 +21,11 @@ import train
 from _resume_utils import one_thread, run_args, run_main  # noqa: F401
 from conftest import make_image_folder
 from utils.config import load_config
+from utils.errors import UserError
+from utils.gpu_pipeline import GpuLoader
 from utils.loader import PersistentLoader
 from utils.sample_list import SampleList
-from utils.samplers import epoch_sampler
+from utils.samplers import ShardSampler, epoch_sampler
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,22 @@ def test_persistent_workers_give_each_epoch_the_batches_fresh_workers_give(root)
     assert torch.equal(kept[0], fresh[0][:1])
     for epoch in (1, 2):
         assert torch.equal(kept[epoch], fresh[epoch]), f"epoch {epoch + 1} differs"
+
+
+def test_the_input_path_is_chosen_from_the_datasets_own_transform(root):
+    """data.pipeline=gpu reproduces the transform the dataset holds, and the held-out set takes the path
+    of the training transform it was built beside: an augmentation added to the dataset itself (not in
+    data.build_transforms) is refused by name on both loaders."""
+    cfg = load_config([f"data.path={root}", "data.num_workers=0", "data.img_size=16", "data.val_resize=18",
+                       "data.pipeline=gpu"])
+    cpu, (train_set, val_set, _) = torch.device("cpu"), data.build_datasets(cfg.data)
+    pairs = ((train_set, True), (val_set, False))
+    assert all(isinstance(data.make_loader(ds, 2, ShardSampler(ds), cfg.data, cpu, train=t), GpuLoader)
+               for ds, t in pairs)
+    train_set.transform.transforms.insert(1, T.ColorJitter(0.4))
+    for ds, t in pairs:
+        with pytest.raises(UserError, match="also has ColorJitter"):
+            data.make_loader(ds, 2, ShardSampler(ds), cfg.data, cpu, train=t)
 
 
 def test_sample_list_reads_as_the_list_of_pairs_it_packs(tmp_path):
