@@ -1,5 +1,5 @@
-"""data.py: the per-class train/val split, the two folder layouts, file discovery,
-image modes and the train/val transforms.
+"""data.py: the per-class train/val split and its rounding, the two folder layouts, file discovery,
+image modes, the train/val transforms, and the order the file reads in.
 
     python -m pytest tests/test_data.py -q
 """
@@ -187,3 +187,17 @@ def test_train_transform_crops_and_flips_at_random_val_transform_does_not():
     assert distinct == 20
     first = val_tf(img)
     assert all(torch.equal(first, val_tf(img)) for _ in range(5))
+
+
+# --------------------------------------------------------------------------- the file itself
+
+def test_data_py_defines_what_its_first_screen_lists_in_that_order():
+    """data.py is read top to bottom by someone adapting it to their data: its docstring lists the
+    parts a user changes, and the file defines them in the same order, each once."""
+    text = (REPO / "data.py").read_text()
+    first_screen = text[:text.index('"""', 3)]
+    parts = ["split_dataset", "build_transforms", "build_datasets", "make_loader"]
+    listed = [first_screen.index(f"\n    {name}  ") for name in parts]
+    assert listed == sorted(listed)
+    defined = [line.split("(")[0].removeprefix("def ") for line in text.splitlines() if line.startswith("def ")]
+    assert [name for name in defined if name in parts] == parts

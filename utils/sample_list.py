@@ -1,4 +1,4 @@
-"""A dataset's samples, kept so that forked loader workers share them: the (path, label) pairs, and which files are bad.
+"""A dataset's samples as forked loader workers share them: the (path, label) pairs, and which files are bad.
 
 SampleList stores the pairs in three numpy arrays that a worker reads without copying them;
 BadStatus names the per-file codes a dataset keeps in shared memory, so that what a worker

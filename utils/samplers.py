@@ -1,10 +1,11 @@
 """Samplers: each epoch's order, a function of (seed, epoch) alone, and evaluation's unpadded shards.
 
-A fixed order per epoch is what lets a resumed run see the same batches as an uninterrupted one;
-every rank computes it alike, so no order is sent between ranks.
+Every rank computes the same order from the seed, so nothing is sent between ranks, and a resumed
+run replays it. Evaluation shards are not padded, so each image is counted once.
 """
 import torch
 from torch.utils.data import DistributedSampler, Sampler
+
 
 def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
     """Training order that depends only on (seed, epoch), set with set_epoch().
