@@ -7,6 +7,7 @@ Read top to bottom, each part is one thing you may change:
     build_datasets    the datasets the training reads (ImageList: (path, label) -> (image, label))
     make_loader       workers, batching and the input path (data.num_workers, data.pipeline)
 
+The file closes with how the folders are read (is_image_file, hidden files, empty class folders).
 The machinery they stand on is in utils/: decoding.py (a JPEG decoded only as large as the crop
 needs), sample_list.py (samples forked workers share), samplers.py (each epoch's order),
 loader.py (persistent workers reseeded per epoch) and gpu_pipeline.py (data.pipeline=gpu).
@@ -140,67 +141,6 @@ def shared_split(root, val_rate=0.2, split_seed=0):
         raise UserError(f"data path '{root}' is missing on {', '.join(missing)}: every node needs the data "
                         "at the same path (copy it there, or use a shared filesystem)", every_rank=True)
     return split
-
-
-def is_image_file(path):
-    name = os.path.basename(path)
-    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
-
-
-def _class_dirs(root):
-    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-
-
-def warn(msg):
-    """A data warning, printed by rank 0 only (every rank reads the same folders)."""
-    if is_main_process():
-        print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _walk(folder):
-    """(image files, other files) under `folder`, symlinks followed. Cached for one split_dataset
-    call: a class folder is walked once, though both the class check and the split read it."""
-    images, others = [], []
-    for dirpath, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .ipynb_checkpoints, .git, ...
-        for f in files:
-            (images if is_image_file(f) else others).append(str(Path(dirpath) / f))
-    # Sorted so the list, and therefore the split, does not depend on the filesystem's order.
-    return tuple(sorted(images)), tuple(others)
-
-
-def _images_in(folder, ignored=None):
-    """Image files under `folder` (symlinks followed); everything else goes to `ignored`."""
-    images, others = _walk(str(folder))
-    if ignored is not None:
-        ignored.extend(others)
-    return list(images)
-
-
-def _scan(root, classes, ignored):
-    samples = []
-    for label, name in enumerate(classes):
-        samples.extend((p, label) for p in _images_in(Path(root) / name, ignored))
-    return samples
-
-
-def _non_empty_classes(root, names):
-    """Class folders holding at least one image; an empty one is skipped, with a warning."""
-    kept = []
-    for name in names:
-        if _images_in(Path(root) / name):
-            kept.append(name)
-        else:
-            warn(f"class folder '{Path(root) / name}' holds no images (.jpg/.jpeg/.png...); "
-                 "skipped, it is not a class")
-    return kept
-
-
-def node_name():
-    """This machine, as a user would look for it: host name and torchrun's (or SLURM's) node rank."""
-    rank = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID"))
-    return socket.gethostname() + (f" (node rank {rank})" if rank is not None else "")
 
 
 # --------------------------------------------------------------------------- transforms
@@ -394,3 +334,66 @@ def resolve_num_workers(requested, device, procs_per_node=1):
     if device.type != "cuda":
         return 0  # on CPU the training math already uses every core; workers would compete
     return max(1, min(8, (os.cpu_count() or 1) // procs_per_node))
+
+
+# --------------------------------------------------------------------------- reading the folders (for the split)
+
+def is_image_file(path):
+    name = os.path.basename(path)
+    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
+
+
+def _class_dirs(root):
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def warn(msg):
+    """A data warning, printed by rank 0 only (every rank reads the same folders)."""
+    if is_main_process():
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _walk(folder):
+    """(image files, other files) under `folder`, symlinks followed. Cached for one split_dataset
+    call: a class folder is walked once, though both the class check and the split read it."""
+    images, others = [], []
+    for dirpath, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .ipynb_checkpoints, .git, ...
+        for f in files:
+            (images if is_image_file(f) else others).append(str(Path(dirpath) / f))
+    # Sorted so the list, and therefore the split, does not depend on the filesystem's order.
+    return tuple(sorted(images)), tuple(others)
+
+
+def _images_in(folder, ignored=None):
+    """Image files under `folder` (symlinks followed); everything else goes to `ignored`."""
+    images, others = _walk(str(folder))
+    if ignored is not None:
+        ignored.extend(others)
+    return list(images)
+
+
+def _scan(root, classes, ignored):
+    samples = []
+    for label, name in enumerate(classes):
+        samples.extend((p, label) for p in _images_in(Path(root) / name, ignored))
+    return samples
+
+
+def _non_empty_classes(root, names):
+    """Class folders holding at least one image; an empty one is skipped, with a warning."""
+    kept = []
+    for name in names:
+        if _images_in(Path(root) / name):
+            kept.append(name)
+        else:
+            warn(f"class folder '{Path(root) / name}' holds no images (.jpg/.jpeg/.png...); "
+                 "skipped, it is not a class")
+    return kept
+
+
+def node_name():
+    """This machine, as a user would look for it: host name and torchrun's (or SLURM's) node rank."""
+    rank = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID"))
+    return socket.gethostname() + (f" (node rank {rank})" if rank is not None else "")
