@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from utils import checkpoint as ckpt
+from utils.cli import OUT_OF_MEMORY, out_of_memory
 from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects,
                                      no_sync, reduce_min, reduce_sums, use_channels_last)
@@ -605,6 +606,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     try:
         for epoch in range(progress.epoch, cfg.train.epochs):
             metrics = _train_epoch(run, epoch)
+    except OUT_OF_MEMORY as e:
+        raise out_of_memory(e, cfg, dist_info, script_name) from e
     finally:
         run.stop.uninstall()
         logger.close()

@@ -14,7 +14,7 @@ import torch
 
 from data import build_datasets, make_loader
 from model import build_model
-from utils.cli import cli_entry
+from utils.cli import cli_entry, refuse_launcher
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
 from utils.samplers import ShardSampler, epoch_sampler
@@ -23,6 +23,7 @@ from engine import fit
 
 @cli_entry
 def main(argv=None):
+    refuse_launcher("train.py")
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
     # -- device: exactly one, --device auto = CUDA if present --
