@@ -386,7 +386,7 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     """Loss, accuracy, sample_metrics (top-5), confusion matrix, per-class precision/recall/F1 over the
     whole validation set, and with `worst_k` the k misclassified images of highest loss ("val_worst").
 
-    Each rank evaluates a disjoint, unpadded shard (data.ShardSampler) and the sums are all-reduced
+    Each rank evaluates a disjoint, unpadded shard (utils.samplers.ShardSampler) and the sums are all-reduced
     once, so every image counts exactly once and the result equals a single-process evaluation
     whatever the world size. Each rank keeps its own k worst on the device (no host sync per
     batch); the lists are gathered once and merged by (loss, dataset index), as one process would.

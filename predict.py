@@ -23,10 +23,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from data import BadImage, build_transforms, is_image_file, load_image, trained_data_config
+from data import build_transforms, is_image_file, trained_data_config
 from engine import input_normalization, model_input
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
+from utils.decoding import BadImage, load_image
 from utils.distributed_utils import resolve_device
 from utils.errors import RUNTIME_EXIT, UserError
 

@@ -62,6 +62,7 @@ import engine  # noqa: E402
 from demo.flowers import CLASS_NAMES, FLOWER_PHOTOS_COUNTS, ensure  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.distributed_utils import resolve_device, use_channels_last  # noqa: E402
+from utils.samplers import epoch_sampler  # noqa: E402
 
 GOALS = {"flowers": 1.5, "photos": 3.0}  # template / reference, issue 20
 PHOTO_SIZE = (4000, 3000)
@@ -130,7 +131,7 @@ def template_loader(root, args, batch, device):
                        f"data.num_workers={args.workers}", f"data.img_size={args.img_size}",
                        f"data.val_resize={round(args.img_size * 256 / 224)}", *args.set_arg])
     train_set, _, _ = data.build_datasets(cfg.data)
-    loader = data.make_loader(train_set, batch, data.epoch_sampler(train_set, 0), cfg.data, device, train=True,
+    loader = data.make_loader(train_set, batch, epoch_sampler(train_set, 0), cfg.data, device, train=True,
                               procs_per_node=1, channels_last=cfg.model.channels_last)
     loader.generator.manual_seed(0)
     return loader

@@ -18,11 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data import ShardSampler, epoch_sampler, make_loader
+from data import make_loader
 import engine
 from utils.config import load_config
 from utils.distributed_utils import DistInfo
 from utils.errors import RUNTIME_EXIT, UserError
+from utils.samplers import ShardSampler, epoch_sampler
 from utils.optim import build_optimizer, build_scaler
 
 CPU = torch.device("cpu")

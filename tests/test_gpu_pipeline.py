@@ -21,22 +21,24 @@ import data
 import engine
 import train as train_script
 from conftest import FAST_ARGS, make_image_folder, run_entry
-from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from data import build_datasets, make_loader
 from torch.utils.data import DataLoader
 from utils import gpu_pipeline
 from utils.config import load_config
+from utils.decoding import DraftRandomResizedCrop, DraftResize
 from utils.distributed_utils import resolve_device
 from utils.errors import UserError
 from utils.gpu_pipeline import (GpuLoader, check_cache_fits, crop_theta, pinned_block_bytes, resolve_pipeline,
                                  sample_crops)
+from utils.samplers import ShardSampler, epoch_sampler
 
 
 def plain_transforms(img_size, val_resize, min_crop_scale=0.08):
     """(train, val) as data.build_transforms ships them: exactly the steps the device path reproduces."""
     norm = data.NormalizeOnDevice(data.IMAGENET_MEAN, data.IMAGENET_STD)
-    train = T.Compose([data.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
+    train = T.Compose([DraftRandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
                        norm])
-    return train, T.Compose([data.Resize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
+    return train, T.Compose([DraftResize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
 
 
 @pytest.fixture(autouse=True)
