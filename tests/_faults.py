@@ -5,6 +5,8 @@
 nan:RANK:STEP   on rank RANK, the training loss of the STEP-th step (0-based, counted over the
                 whole process) and of every later one is NaN, as an overflow would make it.
 stop:RANK:STEP  on the first attempt, rank RANK stops (SIGSTOP) at its STEP-th step (0-based).
+                A restart drops a ddp.timeout_minutes=... argument: the short timeout that ends
+                the first attempt would otherwise bound every collective of the restarted run too.
 kill:RANK:STEP  on the first attempt, rank RANK dies (SIGKILL) at its STEP-th step (0-based).
 term:RANK:N     rank RANK alone gets a SIGTERM at its N-th evaluation batch (1-based), as from a
                 scheduler that signals one process.
@@ -109,5 +111,7 @@ if __name__ == "__main__":
             real_print_error(e)
 
         utils.cli.print_error = print_error
+    if kind == "stop" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        args = [a for a in args if not a.startswith("ddp.timeout_minutes=")]
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
