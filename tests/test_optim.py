@@ -513,8 +513,9 @@ def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(f
     opt = build_optimizer(model, optim_cfg(lr=0.1), fused=fused)
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, len(data))
     logger = ScalarLog()
-    norms, real_clip = [], torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: norms.append(real_clip(*a, **k)) or norms[-1])
+    norms, real_clip = [], torch.nn.utils.clip_grad_norm_  # each step's pre-clip norm, as the loop gets it
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: norms.append(real_clip(*a, **k)) or
+                        norms[-1])
     run_epoch(model, data, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0), logger=logger, log_every=4,
               clip_grad_norm=100.0)
     logged = {tag: v for tag, v, _ in logger.scalars}
