@@ -496,7 +496,7 @@ def test_fused_sgd_after_a_skipped_first_step_takes_plain_sgds_step():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(fused):
+def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(fused, monkeypatch):
     """Under fp16 a skipped step's pre-clip norm is inf; train/grad_norm used to log inf for any window
     holding one. It is the mean over the window's finite steps, and train/skipped_steps counts the rest."""
     if fused and not _cpu_fused("sgd"):
@@ -513,11 +513,16 @@ def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(f
     opt = build_optimizer(model, optim_cfg(lr=0.1), fused=fused)
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, len(data))
     logger = ScalarLog()
+    norms, real_clip = [], torch.nn.utils.clip_grad_norm_  # each step's pre-clip norm, as the loop gets it
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: norms.append(real_clip(*a, **k)) or
+                        norms[-1])
     run_epoch(model, data, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0), logger=logger, log_every=4,
               clip_grad_norm=100.0)
     logged = {tag: v for tag, v, _ in logger.scalars}
     assert logged["train/skipped_steps"] == 1
-    assert 0 < logged["train/grad_norm"] < 100  # the three finite steps' mean (each norm is ~1)
+    finite = [n.item() for n in norms if torch.isfinite(n)]
+    assert len(norms) == 4 and len(finite) == 3
+    assert logged["train/grad_norm"] == pytest.approx(sum(finite) / 3, rel=1e-6)  # the mean, not the sum
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -543,3 +548,32 @@ def test_restored_optimizer_state_takes_the_parameters_layout(name, fused):
         assert restored.state[conv][key].stride() == conv.stride(), key
         assert torch.equal(restored.state[conv][key], saved["state"][0][key]), key
     scaled_step(resumed, restored, build_scaler(None, CPU), batches(1)[0])  # and it steps
+
+
+@pytest.mark.parametrize("saved_world, world", [(1, 2), (4, 2)])
+def test_a_schedule_resumed_at_another_world_size_continues_as_an_uninterrupted_run_of_that_size(saved_world,
+                                                                                                 world):
+    """An elastic restart at another world size: the restored optimizer and schedule hold the old run's
+    scaled lr and step count (in its own steps per epoch). place_schedule puts them at this run's step,
+    with this run's scaled lr, and every later step's lr is that of a run of this size from the start."""
+    from utils.optim import place_schedule
+    cfg, epochs, images = optim_cfg(lr=0.01, lrf=0.1, warmup_epochs=0.5), 3, 40
+    saved_steps, steps = images // (4 * saved_world), images // (4 * world)  # batch 4 per rank
+    old = build_optimizer(torch.nn.Linear(2, 2), cfg, saved_world)
+    old_sched = build_scheduler(old, cfg, epochs, saved_steps)
+    for _ in range(saved_steps):  # epoch 1 at the saved world size, then the restart
+        old.step()
+        old_sched.step()
+    opt = build_optimizer(torch.nn.Linear(2, 2), cfg, world)
+    sched = build_scheduler(opt, cfg, epochs, steps)
+    opt.load_state_dict(old.state_dict())
+    sched.load_state_dict(old_sched.state_dict())
+    place_schedule(sched, cfg, world, epochs, steps, steps)
+    lrs = []
+    for _ in range((epochs - 1) * steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    straight, final = lrs_per_step(cfg, epochs, steps, world_size=world)
+    assert lrs == pytest.approx(straight[steps:], rel=1e-9) and opt.param_groups[0]["lr"] == pytest.approx(final)
+    assert lrs[0] != pytest.approx(old.param_groups[0]["lr"])  # the restored lr alone would be wrong

@@ -392,4 +392,7 @@ class Checkpointer:
         # Every rank joins this vote, so a failed save on rank 0 stops all ranks instead of
         # leaving them to wait in the next collective.
         if any_rank(error is not None, self.device):
-            raise error or UserError("rank 0 could not write its checkpoint; stopping", exit_code=RUNTIME_EXIT)
+            # One line for all: rank 0 prints its own, the others wait for it (cli.print_error).
+            error = error or UserError("rank 0 could not write its checkpoint; stopping", exit_code=RUNTIME_EXIT)
+            error.every_rank = True
+            raise error
