@@ -42,6 +42,7 @@ from utils.distributed_utils import (broadcast_object, gather_objects, get_rank,
                                      use_channels_last)
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
+from utils.normalization import normalize
 
 # PIL's own decompression-bomb check warns or fails without naming the file;
 # load_rgb applies data.max_image_pixels itself, with the path in the message.
@@ -235,11 +236,15 @@ def build_transforms(img_size, val_resize, min_crop_scale=0.08):
 
 class NormalizeOnDevice(transforms.Normalize):
     """torchvision's Normalize, done later: a uint8 tensor passes unchanged, and the training loop
-    normalises whole batches on the device with this mean and std (engine.normalization finds them).
-    A float tensor (values 0..1, as ToTensor gives) is normalised here, as by Normalize."""
+    normalises whole batches on the device with this mean and std (utils/normalization.py). A float
+    tensor (values 0..1, as ToTensor gives) is normalised here, by the same formula."""
 
     def forward(self, tensor):
-        return tensor if tensor.dtype == torch.uint8 else super().forward(tensor)
+        if tensor.dtype == torch.uint8:
+            return tensor
+        mean, std = (torch.as_tensor(v, dtype=tensor.dtype, device=tensor.device).view(-1, 1, 1)
+                     for v in (self.mean, self.std))
+        return normalize(tensor, mean, std, scale=1)
 
 
 def draft_scale(width, height, out_width, out_height):

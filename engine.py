@@ -16,6 +16,7 @@ and read once per `train.log_every` steps, where a NaN/inf is also caught.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -35,10 +36,10 @@ from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects,
                                      no_sync, reduce_min, reduce_sums, use_channels_last)
 from utils.errors import RUNTIME_EXIT, UserError
-from utils import fsdp
-from utils.gpu_pipeline import normalize
-from utils.optim import (WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler, class_weights,
-                         place_schedule, resolve_amp)
+from utils import figures, fsdp
+from utils.normalization import model_input, normalization_of
+from utils.optim import (WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler, place_schedule,
+                         resolve_amp)
 from utils.run_logger import RunLogger
 from utils.stop import StopRequest
 
@@ -50,31 +51,60 @@ DATA_WAIT_HINT = 0.2
 
 # --------------------------------------------------------------------------- the loss and the metrics
 
+@dataclass(eq=False)
 class Criterion:
     """The loss, in one place: training calls criterion(logits, targets) for the batch's mean loss
-    (optim.label_smoothing, optim.class_weights; targets are class indices, or MixUp/CutMix's soft
-    targets, one row of class probabilities per image). Evaluation calls criterion.per_image(logits,
-    labels): each image's plain loss (no smoothing, no weights), for val_loss and the worst mistakes.
+    (targets are class indices, or MixUp/CutMix's soft targets, one row of class probabilities per
+    image). Evaluation calls criterion.per_image(logits, labels): each image's plain loss (no
+    smoothing, no weights), for val_loss and the worst mistakes.
 
-    To train with another loss, change `loss`: both calls go through it."""
-
-    def __init__(self, label_smoothing=0.0, class_weight=None):
-        self.label_smoothing, self.class_weight = label_smoothing, class_weight
+    To train with another loss, change `loss`: both calls go through it. Its options are the fields
+    below, and a field named as an optim.* key takes that key's value (build_criterion): a focal loss's
+    gamma is one field here and one key in configs/default.yaml and utils/config.py."""
+    label_smoothing: float = 0.0                 # optim.label_smoothing
+    class_weight: Optional[torch.Tensor] = None  # optim.class_weights, one weight per class (class_weights)
 
     def __call__(self, logits, targets):
-        return self.loss(logits, targets, self.label_smoothing, self.class_weight, reduction="mean")
+        return self.loss(logits, targets, reduction="mean")
 
     def per_image(self, logits, labels):
-        return self.loss(logits.float(), labels, 0.0, None, reduction="none")
+        plain = dataclasses.replace(self, label_smoothing=0.0, class_weight=None)
+        return plain.loss(logits.float(), labels, reduction="none")
 
-    @staticmethod
-    def loss(logits, targets, label_smoothing, weight, reduction):
-        return F.cross_entropy(logits, targets, weight=weight, label_smoothing=label_smoothing, reduction=reduction)
+    def loss(self, logits, targets, reduction):
+        """The batch's mean loss (reduction="mean") or each image's ("none")."""
+        return F.cross_entropy(logits, targets, weight=self.class_weight, label_smoothing=self.label_smoothing,
+                               reduction=reduction)
 
 
 def build_criterion(optim_cfg, class_weight=None):
-    """The config's loss: optim.label_smoothing and the class weights (utils.optim.class_weights)."""
-    return Criterion(optim_cfg.label_smoothing, class_weight)
+    """The config's loss: each Criterion field named as an optim.* key gets that key's value, and the
+    class weights (class_weights)."""
+    options = {f.name: getattr(optim_cfg, f.name) for f in dataclasses.fields(Criterion) if f.name in optim_cfg}
+    return Criterion(**options, class_weight=class_weight)
+
+
+def class_weights(spec, labels, num_classes, device):
+    """optim.class_weights -> a (num_classes,) loss weight tensor on `device`, or None for "none".
+    `labels`: the training set's label per sample (its .targets), or None if it has none.
+
+    auto: w_c = N / (C * n_c), inverse frequency over the training labels, so a class of the
+    average size weighs 1 and every class contributes equally to the expected loss.
+    """
+    if spec == "none":
+        return None
+    if spec == "auto":
+        if labels is None:
+            raise UserError("optim.class_weights=auto needs the training labels: the dataset has no .targets",
+                            every_rank=True)
+        counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes).double()
+        weights = counts.sum() / (num_classes * counts.clamp(min=1))
+    else:
+        if len(spec) != num_classes:
+            raise UserError(f"optim.class_weights has {len(spec)} weights, the data has {num_classes} classes",
+                            every_rank=True)
+        weights = torch.tensor([float(w) for w in spec], dtype=torch.float64)
+    return weights.float().to(device)
 
 
 def sample_metrics(num_classes):
@@ -93,25 +123,6 @@ def seed_for(seed, epoch, rank):
     """One seed per (run seed, epoch, rank): augmentation and data order are reproducible
     per epoch, so a run resumed at an epoch boundary continues exactly."""
     return (seed * 1_000_003 + epoch * 1009 + rank) % (2 ** 63)
-
-
-def input_normalization(dataset, device):
-    """(mean, std) as (1, C, 1, 1) float32 on `device`, for the uint8 batches of `dataset` (or of a
-    transform): its NormalizeOnDevice's, or (0, 1) where it has none, ToTensor's /255 alone. Once a pass."""
-    mean, std = normalization(dataset)
-    return tuple(torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1).to(device, non_blocking=True)
-                 for v in (mean or (0.0,), std or (1.0,)))
-
-
-def model_input(images, device, norm, channels_last=False):
-    """A loader's images -> the model's input on `device`. uint8 images (data.py's transforms) become
-    float, normalised with `norm` (input_normalization) and channels_last there, in one pass, with no
-    host sync; float images were normalised by their transform and are moved as they are."""
-    # non_blocking pairs with pin_memory: the copy overlaps with queued GPU work.
-    images = images.to(device, non_blocking=True)
-    if images.dtype == torch.uint8:
-        return normalize(images, *norm, channels_last=channels_last)
-    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
 
 
 def _to_device(images, labels, device, channels_last, norm):
@@ -291,7 +302,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     # islice: a tail that makes no whole step is not even loaded.
     waits = _Waits(itertools.islice(batches, used - skip))
     bar = logger.progress(waits, used - skip, f"{label} train")
-    norm = input_normalization(getattr(loader, "dataset", None), step.device)
+    norm = normalization_of(getattr(loader, "dataset", None), step.device)
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, step.device, step.channels_last, norm)
         if i == 0 and hooks.first_batch is not None:
@@ -401,7 +412,7 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     worst = _WorstImages(loader, device, worst_k)
     short = _forwards_short(model, loader)
     start = time.perf_counter()
-    norm = input_normalization(getattr(loader, "dataset", None), device)
+    norm = normalization_of(getattr(loader, "dataset", None), device)
     for images, labels in logger.progress(loader, len(loader), "eval"):
         images, labels = _to_device(images, labels, device, channels_last, norm)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -707,7 +718,7 @@ def _train_epoch(run, epoch):
     first_batch = None
     if epoch == 0 and cfg.train.figures:
         def first_batch(images, labels, step=progress.global_step):
-            sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, step)
+            figures.sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, step)
     hooks = EpochHooks(logger=run.logger, log_every=cfg.train.log_every, world_size=run.dist_info.world_size,
                        epochs=cfg.train.epochs, stop=stop, save_every=cfg.train.save_every_steps,
                        save_step=save_step, first_batch=first_batch)
@@ -727,8 +738,8 @@ def _train_epoch(run, epoch):
     progress.epoch = epoch + 1
     run.saver.save(epoch + 1, progress.global_step, progress.best_acc, is_best=is_best,
                    best_weights=progress.best_weights)
-    figure_seconds = epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
-                                    progress.global_step) if cfg.train.figures else 0.0
+    figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
+                                            progress.global_step) if cfg.train.figures else 0.0
     metrics = {"epoch": epoch + 1, "step": progress.global_step, **train, **val, "lr": lr,
                "best_acc": progress.best_acc,
                **({"best_weights": progress.best_weights} if run.step.ema is not None else {}),
@@ -773,51 +784,6 @@ def _validate(run):
     return val, worst
 
 
-# --------------------------------------------------------------------------- pictures
-
-def normalization(dataset):
-    """(mean, std) of the Normalize step (NormalizeOnDevice too) of `dataset.transform`, or of `dataset` when it
-    is a transform itself; (None, None) without one. For the device pass and to undo it in pictures."""
-    for t in getattr(getattr(dataset, "transform", dataset), "transforms", []):
-        if hasattr(t, "mean") and hasattr(t, "std"):
-            return tuple(t.mean), tuple(t.std)
-    return None, None
-
-
-def sample_picture(logger, images, labels, classes, dataset, step):
-    """The first training batch as the model sees it (normalization undone), rank 0 only."""
-    if not logger.enabled:
-        return
-    from utils import figures
-    n = min(16, len(images))
-    shown = figures.denormalize(images[:n], *normalization(dataset))
-    names = [classes[i] for i in labels[:n].tolist()]
-    logger.image("train/augmented_samples",
-                 figures.image_grid(shown, names, title="augmented training samples", cols=8), step)
-
-
-def worst_picture(worst, classes, dataset):
-    """The worst mistakes as an image grid: each with true class, predicted class and probability."""
-    from utils import figures
-    mean, std = normalization(dataset)
-    shown = figures.denormalize(torch.stack([dataset[w["index"]][0] for w in worst]), mean, std) if worst else []
-    titles = [f"{classes[w['label']]} -> {classes[w['pred']]}\n{w['prob']:.0%}" for w in worst]
-    return figures.image_grid(shown, titles, colours=["firebrick"] * len(worst),
-                              title="worst mistakes (true -> predicted, probability)", cols=min(8, max(len(worst), 1)))
-
-
-def epoch_pictures(logger, val, worst, classes, dataset, step):
-    """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took."""
-    if not logger.enabled:
-        return 0.0
-    from utils import figures
-    start = time.perf_counter()
-    logger.image("val/confusion_matrix", figures.confusion_matrix_image(val["val_confusion"], classes), step)
-    if worst is not None:  # train.worst_images > 0; also when there was no mistake
-        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), step)
-    return round(time.perf_counter() - start, 4)
-
-
 # --------------------------------------------------------------------------- --eval-only
 
 def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state=None):
@@ -846,11 +812,10 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     split = getattr(val_loader.dataset, "split", "val")
     result = {"checkpoint": source, "split": split, "classes": list(classes), **val}
     if dist_info.rank == 0:
-        from utils import figures
         figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
                          run_dir / "confusion_matrix.png")
         if cfg.train.worst_images:
-            figures.save_png(worst_picture(val["val_worst"], classes, val_loader.dataset),
+            figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset),
                              run_dir / "worst_mistakes.png")
         tmp = run_dir / "eval.json.tmp"
         tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

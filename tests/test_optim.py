@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fixture
 from utils.config import load_config
-from engine import Criterion, EpochHooks, Step, train_one_epoch
+from engine import Criterion, EpochHooks, Step, class_weights, train_one_epoch
 from utils.errors import UserError
 from utils.optim import (AutocastForward, WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler,
-                         class_weights, resolve_amp)
+                         resolve_amp)
 from utils.run_logger import RunLogger
 
 CPU = torch.device("cpu")

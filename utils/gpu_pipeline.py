@@ -76,6 +76,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import functional as TF
 
 from utils.errors import UserError
+from utils.normalization import normalization_of, normalize
 
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 DEVICE_TRAIN_STEPS = "RandomResizedCrop, RandomHorizontalFlip, PILToTensor or ToTensor, and Normalize"
@@ -239,15 +240,6 @@ def crop_theta(boxes, flip, heights, widths):
     return theta.float()
 
 
-def normalize(pixels, mean, std, channels_last=False):
-    """NCHW pixels in 0..255 (uint8, or float after the crop) -> normalised float32: the same ops as
-    ToTensor + Normalize, so the same numbers. channels_last: the first op writes that layout, which
-    saves the separate full-batch copy a conversion afterwards would make."""
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device, memory_format=layout)
-    return torch.div(pixels, 255, out=out).sub_(mean).div_(std)
-
-
 class _TrainCacheItem:
     """PIL image -> (uint8 CHW stretched to size x size, its original (H, W))."""
 
@@ -329,9 +321,7 @@ class GpuLoader:
             assert _ends_in_tensor_and_normalize(steps), f"unexpected val transform {steps}"
             item, shape = _ValCacheItem(T.Compose(steps[:-2])), (3, data_cfg.img_size, data_cfg.img_size)
         self.generator = torch.Generator()  # reseeded every epoch by fit(): reproducible augmentation
-        # Normalize's (mean, std) as (1, 3, 1, 1) float32 on the device, for normalize().
-        self.mean, self.std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, 3, 1, 1)
-                               for v in (norm.mean, norm.std))
+        self.mean, self.std = normalization_of(norm, device)  # Normalize's, on the device, for normalize()
         start = time.perf_counter()
         self.on_device = device.type == "cuda" and data_cfg.cache_on_device
         pin = device.type == "cuda" and not self.on_device

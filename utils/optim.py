@@ -1,5 +1,5 @@
 """The training recipe built from the config: optimizer, learning-rate schedule, mixed
-precision, the loss's class weights, MixUp/CutMix and the EMA of the weights."""
+precision, MixUp/CutMix and the EMA of the weights."""
 import copy
 import inspect
 import math
@@ -181,29 +181,6 @@ def build_scaler(amp_dtype, device):
     """Loss scaling is needed for fp16 only; bf16 has fp32's range."""
     enabled = amp_dtype == torch.float16
     return torch.amp.GradScaler(device.type if enabled else "cpu", enabled=enabled)
-
-
-def class_weights(spec, labels, num_classes, device):
-    """optim.class_weights -> a (num_classes,) loss weight tensor on `device`, or None for "none".
-    `labels`: the training set's label per sample (its .targets), or None if it has none.
-
-    auto: w_c = N / (C * n_c), inverse frequency over the training labels, so a class of the
-    average size weighs 1 and every class contributes equally to the expected loss.
-    """
-    if spec == "none":
-        return None
-    if spec == "auto":
-        if labels is None:
-            raise UserError("optim.class_weights=auto needs the training labels: the dataset has no .targets",
-                            every_rank=True)
-        counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes).double()
-        weights = counts.sum() / (num_classes * counts.clamp(min=1))
-    else:
-        if len(spec) != num_classes:
-            raise UserError(f"optim.class_weights has {len(spec)} weights, the data has {num_classes} classes",
-                            every_rank=True)
-        weights = torch.tensor([float(w) for w in spec], dtype=torch.float64)
-    return weights.float().to(device)
 
 
 def batch_mixer(mixup_alpha, cutmix_alpha, num_classes):
