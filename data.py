@@ -37,9 +37,9 @@ from torch.utils.data._utils.worker import _generate_state
 from torchvision import transforms
 from torchvision.transforms import functional as TF
 
+from model import use_channels_last
 from utils.config import config_to_dict, load_config
-from utils.distributed_utils import (broadcast_object, gather_objects, get_rank, get_world_size, is_main_process,
-                                     use_channels_last)
+from utils.distributed_utils import broadcast_object, gather_objects, get_rank, get_world_size, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
 from utils.normalization import normalize

@@ -24,23 +24,24 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from model import use_channels_last
 from utils import checkpoint as ckpt
 from utils.config import config_to_dict
-from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects,
-                                     no_sync, reduce_min, reduce_sums, use_channels_last)
+from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync, reduce_min,
+                                     reduce_sums)
 from utils.errors import RUNTIME_EXIT, UserError
 from utils import figures, fsdp
 from utils.normalization import model_input, normalization_of
-from utils.optim import (WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler, place_schedule,
+from utils.mixing import batch_mixer
+from utils.optim import (WeightEMA, build_optimizer, build_scaler, build_scheduler, place_schedule,
                          resolve_amp)
-from utils.run_logger import RunLogger
+from utils.run_logger import RunLogger, check_run_dir, check_writable, resolve_run_dir
 from utils.stop import StopRequest
 
 _NO_BAD_STEP = 2 ** 62
@@ -510,38 +511,6 @@ def compile_model(model):
     return torch.compile(model)
 
 
-def resolve_run_dir(cfg, script_name, dist_info):
-    """Rank 0 names the run directory and every rank agrees on it (one broadcast)."""
-    if cfg.output_dir:
-        run_dir = cfg.output_dir
-    elif cfg.resume == "auto":
-        raise UserError("--resume auto needs --output-dir: the run directory to continue")
-    else:
-        run_dir = str(Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{script_name}")
-    return Path(broadcast_object(run_dir if dist_info.rank == 0 else None))
-
-
-def _check_run_dir(run_dir, resuming):
-    """Never write over an earlier run without --resume; fail before any training."""
-    if resuming:
-        return
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
-        raise UserError(f"run directory '{run_dir}' already holds a run; continue it with "
-                        "--resume auto, or choose another --output-dir")
-
-
-def _check_writable(run_dir):
-    """A run directory that cannot be written fails now, not at the end of the first epoch."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"output directory '{run_dir}' is not writable ({e.strerror or e}); "
-                        "choose another --output-dir") from None
-
-
 def _raise_stopped(stop, where, global_step, run_dir, dist_info):
     """End the run after a stop request's checkpoint: one line on rank 0, 128+signal everywhere."""
     if dist_info.rank != 0:
@@ -598,8 +567,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         return evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state)
     step, layout = build_step(cfg, model, train_loader, classes, dist_info)  # refuses what the data refutes
     if is_main:
-        _check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
-        _check_writable(run_dir)
+        check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
+        check_writable(run_dir)
         ckpt.remove_stale_temps(run_dir / "checkpoints")
     progress, notes = (Progress(), []) if resume_path is None else _restore(cfg, state, step, layout, classes,
                                                                             dist_info)
@@ -802,7 +771,7 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
         source += " (EMA weights)" if weights is state.get("ema") else ""
         del state, weights
     if dist_info.rank == 0:
-        _check_writable(run_dir)
+        check_writable(run_dir)
     val = evaluate(model, val_loader, device, len(classes), amp_dtype=resolve_amp(cfg.train.amp, device),
                    channels_last=use_channels_last(cfg.model.channels_last, device),
                    worst_k=cfg.train.worst_images)

@@ -61,7 +61,8 @@ import data  # noqa: E402
 from demo.flowers import CLASS_NAMES, FLOWER_PHOTOS_COUNTS, ensure  # noqa: E402
 from utils import normalization  # noqa: E402
 from utils.config import load_config  # noqa: E402
-from utils.distributed_utils import resolve_device, use_channels_last  # noqa: E402
+from model import use_channels_last  # noqa: E402
+from utils.distributed_utils import resolve_device  # noqa: E402
 
 GOALS = {"flowers": 1.5, "photos": 3.0}  # template / reference, issue 20
 PHOTO_SIZE = (4000, 3000)

@@ -297,7 +297,8 @@ def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
     batches, converted and normalised on the device by the loop (data.py's transforms give them).
     Scope: one process with plain BatchNorm. --syncBN with 2+ processes is torch's SyncBatchNorm, whose
     forward masks the gathered statistics by batch size, a host sync per layer (36 per ResNet34 step)."""
-    from utils.optim import WeightEMA, batch_mixer
+    from utils.mixing import batch_mixer
+    from utils.optim import WeightEMA
     from model import create_model
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]

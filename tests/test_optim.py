@@ -17,8 +17,9 @@ from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fi
 from utils.config import load_config
 from engine import Criterion, EpochHooks, Step, class_weights, train_one_epoch
 from utils.errors import UserError
-from utils.optim import (AutocastForward, WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler,
-                         resolve_amp)
+from train_multi_gpu_dp import AutocastForward
+from utils.mixing import batch_mixer
+from utils.optim import WeightEMA, build_optimizer, build_scaler, build_scheduler, resolve_amp
 from utils.run_logger import RunLogger
 
 CPU = torch.device("cpu")

@@ -1,5 +1,7 @@
 """Run directory, console, metrics.jsonl and TensorBoard: every side effect, rank 0 only.
 
+The run directory is named once for all ranks (resolve_run_dir) and checked before any training:
+never an earlier run's without --resume (check_run_dir), and writable (check_writable).
 Other ranks get a RunLogger with enabled=False whose methods do nothing, so
 call sites need no rank checks (and never wrap a collective in one).
 
@@ -11,13 +13,49 @@ and the worst mistakes every epoch, augmented training samples once.
 import io
 import json
 import math
+import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 from tqdm import tqdm
 
 from utils.config import flatten, save_config
+from utils.distributed_utils import broadcast_object
+from utils.errors import UserError
+
+
+def resolve_run_dir(cfg, script_name, dist_info):
+    """Rank 0 names the run directory and every rank agrees on it (one broadcast)."""
+    if cfg.output_dir:
+        run_dir = cfg.output_dir
+    elif cfg.resume == "auto":
+        raise UserError("--resume auto needs --output-dir: the run directory to continue")
+    else:
+        run_dir = str(Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{script_name}")
+    return Path(broadcast_object(run_dir if dist_info.rank == 0 else None))
+
+
+def check_run_dir(run_dir, resuming):
+    """Never write over an earlier run without --resume; fail before any training."""
+    if resuming:
+        return
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise UserError(f"run directory '{run_dir}' already holds a run; continue it with "
+                        "--resume auto, or choose another --output-dir")
+
+
+def check_writable(run_dir):
+    """A run directory that cannot be written fails now, not at the end of the first epoch."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output directory '{run_dir}' is not writable ({e.strerror or e}); "
+                        "choose another --output-dir") from None
 
 
 class RunLogger:
