@@ -191,11 +191,11 @@ def _unused_parameters_error(e, model):
                      exit_code=RUNTIME_EXIT, every_rank=True)
 
 
-def _optimizer_step(step, window, clipped):
-    """Clip `clipped` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
+def _optimizer_step(step, window, params_to_clip):
+    """Clip the gradients of `params_to_clip` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
     if step.clip_grad_norm:
         step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the loss-scaled ones
-        norm = torch.nn.utils.clip_grad_norm_(clipped, step.clip_grad_norm)  # no host sync
+        norm = torch.nn.utils.clip_grad_norm_(params_to_clip, step.clip_grad_norm)  # no host sync
         # FSDP: a replicated DTensor (its shards' norms combined, in another order than DDP's sum).
         window.add_norm((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double())
     step.scaler.step(step.optimizer)
@@ -236,7 +236,7 @@ class _Window:
         return reduce_sums({**self.sums, "stop": flag, "waited": self.sums["loss"].new_tensor(waited)})
 
 
-class _Waits:
+class _TimedBatches:
     """The loader's batches, timed on the host: the seconds the loop spent waiting for the next one
     (no device sync; on CUDA the steps run ahead of the host until a window's end reads them), and
     the epoch's record of them, window by window."""
@@ -255,8 +255,8 @@ class _Waits:
             self.seconds += time.perf_counter() - asked
             yield batch
 
-    def take(self):
-        """The seconds waited since the last take."""
+    def pop_wait(self):
+        """The seconds waited since the last pop_wait: the window's, then counted afresh."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
@@ -265,7 +265,8 @@ class _Waits:
         self.shares.append(wait / seconds)
         self.waited, self.windows_seconds = self.waited + wait, self.windows_seconds + seconds
 
-    def share(self):
+    def wait_share(self):
+        """The share of the closed windows' time spent waiting for batches."""
         return self.waited / max(self.windows_seconds, 1e-9)
 
     def input_bound(self):
@@ -299,10 +300,10 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     window = _Window(step.device, start)
     label = f"epoch {epoch + 1}" + (f"/{hooks.epochs}" if hooks.epochs else "")
     step.optimizer.zero_grad(set_to_none=True)
-    clipped = [p for g in step.optimizer.param_groups for p in g["params"]] if step.clip_grad_norm else []
+    params_to_clip = [p for g in step.optimizer.param_groups for p in g["params"]] if step.clip_grad_norm else []
     # islice: a tail that makes no whole step is not even loaded.
-    waits = _Waits(itertools.islice(batches, used - skip))
-    bar = logger.progress(waits, used - skip, f"{label} train")
+    waits = _TimedBatches(itertools.islice(batches, used - skip))
+    bar = logger.progress_bar(waits, used - skip, f"{label} train")
     norm = normalization_of(getattr(loader, "dataset", None), step.device)
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, step.device, step.channels_last, norm)
@@ -316,7 +317,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         window.add_batch(loss, labels.shape[0], global_step)
         if not stepping:
             continue
-        _optimizer_step(step, window, clipped)
+        _optimizer_step(step, window, params_to_clip)
         window.steps += 1
         global_step += 1
         last = i == used - 1
@@ -325,7 +326,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         if window.steps < hooks.log_every and not last and not alone_stopping:
             continue
         # The one host sync (and all-reduce) per window; every rank reaches it at the same step.
-        stopping, wait, seconds = _close_window(step, hooks, logger, window, epoch, global_step, waits.take(),
+        stopping, wait, seconds = _close_window(step, hooks, logger, window, epoch, global_step, waits.pop_wait(),
                                                 (bar, label, (i + 1) // step.accum_steps, used // step.accum_steps,
                                                  (time.perf_counter() - start) / (i + 1 - skip) * (used - i - 1)))
         waits.add_window(wait, seconds)
@@ -340,7 +341,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     epoch_totals = reduce_sums({"loss": loss_sum, "images": loss_sum.new_tensor(float(images_seen))})
     return {"train_loss": epoch_totals["loss"] / epoch_totals["images"],
             "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
-            "train_seconds": seconds, "train_data_wait": waits.share(),
+            "train_seconds": seconds, "train_data_wait": waits.wait_share(),
             "global_step": global_step, "input_bound": waits.input_bound()}
 
 
@@ -360,10 +361,10 @@ def _stop_requested(hooks):
     return hooks.stop is not None and hooks.stop.requested()
 
 
-def _close_window(step, hooks, logger, window, epoch, global_step, waited, progress):
+def _close_window(step, hooks, logger, window, epoch, global_step, waited, bar_fields):
     """Read the window's sums (one all-reduce), stop on a non-finite loss, log. waited: this rank's
     seconds spent waiting for batches in the window. Returns (whether any rank was asked to stop,
-    the ranks' mean wait, the window's seconds). progress: (bar, label, epoch's step, its steps,
+    the ranks' mean wait, the window's seconds). bar_fields: (bar, label, epoch's step, its steps,
     seconds to the epoch's end)."""
     totals = window.totals(_stop_requested(hooks), waited)
     world = hooks.world_size
@@ -375,7 +376,7 @@ def _close_window(step, hooks, logger, window, epoch, global_step, waited, progr
                         exit_code=RUNTIME_EXIT, every_rank=True)
     seconds = max(time.perf_counter() - window.start, 1e-9)
     lr = step.optimizer.param_groups[0]["lr"]
-    bar, label, epoch_step, epoch_steps, eta = progress
+    bar, label, epoch_step, epoch_steps, eta = bar_fields
     logger.window(bar, label, epoch_step, epoch_steps, loss, window.images * world / seconds, lr, eta)
     logger.scalar("train/loss_step", loss, global_step)
     wait = totals["waited"] / world
@@ -411,10 +412,10 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     sums = {"loss": zero.clone(), **{name: zero.clone() for name in metrics},
             "confusion": torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)}
     worst = _WorstImages(loader, device, worst_k)
-    short = _forwards_short(model, loader)
+    padding = _padding_forwards(model, loader)
     start = time.perf_counter()
     norm = normalization_of(getattr(loader, "dataset", None), device)
-    for images, labels in logger.progress(loader, len(loader), "eval"):
+    for images, labels in logger.progress_bar(loader, len(loader), "eval"):
         images, labels = _to_device(images, labels, device, channels_last, norm)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
@@ -427,7 +428,7 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
         cells = labels * num_classes + pred
         sums["confusion"].index_add_(0, cells, torch.ones_like(cells, dtype=sums["confusion"].dtype))
         worst.add(logits, pred, labels, losses)
-    for _ in range(short):  # results unused: only the collectives inside the forward count
+    for _ in range(padding):  # results unused: only the collectives inside the forward count
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             model(images[:1])
     totals = reduce_sums(sums)
@@ -445,9 +446,10 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     return out
 
 
-def _forwards_short(model, loader):
+def _padding_forwards(model, loader):
     """FSDP: a forward gathers each block's shards from every rank, so all ranks must make as many as
-    the one with the most validation batches; how many this rank is short (0 for other models)."""
+    the one with the most validation batches; how many forwards this rank adds to its own (0 for
+    other models)."""
     if not fsdp.is_sharded(model):
         return 0
     counts = gather_objects(len(loader))
@@ -522,16 +524,6 @@ def _raise_stopped(stop, where, global_step, run_dir, dist_info):
 
 
 @dataclass
-class Progress:
-    """Where a run stands: what a checkpoint restores and every epoch moves on."""
-    epoch: int = 0                      # epochs finished: the next one to train
-    global_step: int = 0                # optimizer steps taken
-    best_acc: float = -1.0
-    best_weights: str = "model"         # which weights scored best_acc: "model", or "ema" (train.ema_decay)
-    resume_at: Optional[dict] = None    # a mid-epoch checkpoint's point in its epoch (checkpoint.resume_point)
-
-
-@dataclass
 class _Run:
     """What every epoch of fit uses."""
     cfg: object
@@ -544,7 +536,7 @@ class _Run:
     logger: RunLogger
     saver: ckpt.Checkpointer
     stop: Optional[StopRequest]             # installed for the epochs
-    progress: Progress
+    run_state: ckpt.RunState                # epoch, global step, best accuracy: the loop's and the checkpoint's
     hinted: bool = False                    # the input-bound hint was printed (once per run)
 
 
@@ -570,25 +562,24 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         check_writable(run_dir)
         ckpt.remove_stale_temps(run_dir / "checkpoints")
-    progress, notes = (Progress(), []) if resume_path is None else _restore(cfg, state, step, layout, classes,
-                                                                            dist_info)
+    run_state, notes = (ckpt.RunState(), []) if resume_path is None else _restore(cfg, state, step, layout, classes,
+                                                                                   dist_info)
     del state
-    logger = RunLogger(run_dir, enabled=is_main, start_epoch=progress.epoch, start_step=progress.global_step,
+    logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
                        resuming=resume_path is not None or restarted or cfg.resume == "auto")
-    saver = ckpt.Checkpointer(run_dir / "checkpoints", ckpt.unwrap(model), step.optimizer, step.scheduler,
-                              step.scaler, config_to_dict(cfg), classes, layout, cfg.train.keep_last,
-                              dist_info.rank, dist_info.device, ema=step.ema)
-    run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, progress)
+    saver = ckpt.Checkpointer(run_dir / "checkpoints", ckpt.unwrap(model), step, config_to_dict(cfg), classes,
+                              layout, cfg.train.keep_last, dist_info.rank)
+    run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state)
     _log_start(run, resume_path, notes)
     run.stop = StopRequest().install()
     metrics = {}
     try:
-        for epoch in range(progress.epoch, cfg.train.epochs):
+        for epoch in range(run_state.epoch, cfg.train.epochs):
             metrics = _train_epoch(run, epoch)
     finally:
         run.stop.uninstall()
         logger.close()
-    return {"best_acc": progress.best_acc, "run_dir": str(run_dir), "last": metrics}
+    return {"best_acc": run_state.best_acc, "run_dir": str(run_dir), "last": metrics}
 
 
 def build_step(cfg, model, train_loader, classes, dist_info):
@@ -619,10 +610,10 @@ def build_step(cfg, model, train_loader, classes, dist_info):
 
 
 def _restore(cfg, state, step, layout, classes, dist_info):
-    """The checkpoint's weights, optimizer, schedule, scaler and EMA into the step; its Progress, and
+    """The checkpoint's weights, optimizer, schedule, scaler and EMA into the step; its RunState, and
     notes on what differs from this run (world size, epochs, a missing EMA)."""
-    epoch, global_step, best_acc = ckpt.restore(state, step.model, step.optimizer, step.scheduler, step.scaler,
-                                                classes, model_name=cfg.model.name, ema=step.ema)
+    run_state = ckpt.restore(state, step.model, step.optimizer, step.scheduler, step.scaler, classes,
+                             model_name=cfg.model.name, ema=step.ema)
     notes = []
     if step.ema is not None and not state.get("ema"):
         notes.append("note: the checkpoint holds no EMA of the weights; train.ema_decay's average starts "
@@ -633,31 +624,32 @@ def _restore(cfg, state, step, layout, classes, dist_info):
     their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
     if their_steps not in (None, steps):
         # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps.
-        global_step = epoch * steps
+        run_state.global_step = run_state.epoch * steps
         place_schedule(step.scheduler, cfg.optim, dist_info.world_size, their_epochs or cfg.train.epochs, steps,
-                       global_step)
+                       run_state.global_step)
         notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {steps} "
-                     f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {epoch + 1}'s "
+                     f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {run_state.epoch + 1}'s "
                      "start in this run's steps")
     if rng is not None:
         ckpt.set_rng_state(rng)  # Python/NumPy continue; torch's is reseeded per epoch
     if their_epochs not in (None, cfg.train.epochs):
         notes.append(f"note: the checkpoint's lr schedule spans {their_epochs} epochs and is kept; "
                      f"training runs to epoch {cfg.train.epochs}")
-    return Progress(epoch, global_step, best_acc, state.get("best_weights", "model"), resume_at), notes
+    run_state.resume_at = resume_at
+    return run_state, notes
 
 
 def _log_start(run, resume_path, notes):
     """A new run's config, class list and hparams; the start-up lines (rank 0 writes)."""
-    cfg, step, logger, progress, device = run.cfg, run.step, run.logger, run.progress, run.dist_info.device
+    cfg, step, logger, run_state, device = run.cfg, run.step, run.logger, run.run_state, run.dist_info.device
     if resume_path is None:
         logger.write_config(cfg)
         logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(run.classes)})
         logger.hparams(config_to_dict(cfg), ["val/acc", "val/best_acc", "val/macro_f1", "val/loss", "train/loss"])
-    resume_at = progress.resume_at
-    where = f"epoch {progress.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
+    resume_at = run_state.resume_at
+    where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
     logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
-                                                     f"{progress.global_step})" if resume_path else ""))
+                                                     f"{run_state.global_step})" if resume_path else ""))
     if cfg.train.amp in ("bf16", "fp16") and step.amp_dtype is None:
         notes.append(f"note: train.amp={cfg.train.amp} applies on CUDA only; this {device.type} run computes in fp32")
     for note in notes:
@@ -673,45 +665,44 @@ def _log_start(run, resume_path, notes):
 
 def _train_epoch(run, epoch):
     """One epoch: train, evaluate (and the EMA), choose the best, checkpoint, pictures, metrics."""
-    cfg, progress, stop = run.cfg, run.progress, run.stop
+    cfg, run_state, stop = run.cfg, run.run_state, run.stop
     epoch_start = time.perf_counter()
     run.train_loader.sampler.set_epoch(epoch)
     torch.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
     run.train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
-    lr = progress.resume_at["lr"] if progress.resume_at else run.step.optimizer.param_groups[0]["lr"]
+    lr = run_state.resume_at["lr"] if run_state.resume_at else run.step.optimizer.param_groups[0]["lr"]
 
     def save_step(epoch_step, global_step, loss_sum, images_seen):
-        run.saver.save(epoch, global_step, progress.best_acc, epoch_step=epoch_step, loss_sum=loss_sum,
-                       images_seen=images_seen, epoch_lr=lr, best_weights=progress.best_weights)
+        run.saver.save(dataclasses.replace(run_state, global_step=global_step), epoch_step=epoch_step,
+                       loss_sum=loss_sum, images_seen=images_seen, epoch_lr=lr)
 
     first_batch = None
     if epoch == 0 and cfg.train.figures:
-        def first_batch(images, labels, step=progress.global_step):
-            figures.sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, step)
+        def first_batch(images, labels, at_step=run_state.global_step):
+            figures.sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, at_step)
     hooks = EpochHooks(logger=run.logger, log_every=cfg.train.log_every, world_size=run.dist_info.world_size,
                        epochs=cfg.train.epochs, stop=stop, save_every=cfg.train.save_every_steps,
                        save_step=save_step, first_batch=first_batch)
-    train = train_one_epoch(run.step, run.train_loader, epoch, progress.global_step, hooks, progress.resume_at)
-    progress.resume_at = None
-    progress.global_step = train.pop("global_step")
+    train = train_one_epoch(run.step, run.train_loader, epoch, run_state.global_step, hooks, run_state.resume_at)
+    run_state.resume_at = None
+    run_state.global_step = train.pop("global_step")
     input_bound = train.pop("input_bound", False)  # a stopped epoch has none
     if train.pop("stopped", False):
-        _raise_stopped(stop, f"in epoch {epoch + 1}", progress.global_step, run.run_dir, run.dist_info)
+        _raise_stopped(stop, f"in epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     val, worst = _validate(run)
     # With an EMA, the better of the two weight sets competes; best.pt records which ("best_weights").
     which = "ema" if run.step.ema is not None and val["val_acc_ema"] > val["val_acc"] else "model"
     score = val["val_acc_ema"] if which == "ema" else val["val_acc"]
-    is_best = score > progress.best_acc
+    is_best = score > run_state.best_acc
     if is_best:
-        progress.best_acc, progress.best_weights = score, which
-    progress.epoch = epoch + 1
-    run.saver.save(epoch + 1, progress.global_step, progress.best_acc, is_best=is_best,
-                   best_weights=progress.best_weights)
+        run_state.best_acc, run_state.best_weights = score, which
+    run_state.epoch = epoch + 1
+    run.saver.save(run_state, is_best=is_best)
     figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
-                                            progress.global_step) if cfg.train.figures else 0.0
-    metrics = {"epoch": epoch + 1, "step": progress.global_step, **train, **val, "lr": lr,
-               "best_acc": progress.best_acc,
-               **({"best_weights": progress.best_weights} if run.step.ema is not None else {}),
+                                            run_state.global_step) if cfg.train.figures else 0.0
+    metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
+               "best_acc": run_state.best_acc,
+               **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
                "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
     run.logger.epoch(metrics, run.classes)
     run.logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
@@ -723,7 +714,7 @@ def _train_epoch(run, epoch):
         run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
     # A signal that came during evaluation: the epoch's checkpoint is already written.
     if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device):
-        _raise_stopped(stop, f"after epoch {epoch + 1}", progress.global_step, run.run_dir, run.dist_info)
+        _raise_stopped(stop, f"after epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     return metrics
 
 

@@ -166,7 +166,7 @@ def save_png(image, path):
 
 # --------------------------------------------------------------------------- the loop's pictures
 
-def sample_picture(logger, images, labels, classes, dataset, step):
+def sample_picture(logger, images, labels, classes, dataset, global_step):
     """The first training batch as the model sees it (normalisation undone), rank 0 only."""
     if not logger.enabled:
         return
@@ -174,7 +174,7 @@ def sample_picture(logger, images, labels, classes, dataset, step):
     shown = denormalize(images[:n], *mean_std(dataset))
     names = [classes[i] for i in labels[:n].tolist()]
     logger.image("train/augmented_samples", image_grid(shown, names, title="augmented training samples", cols=8),
-                 step)
+                 global_step)
 
 
 def worst_picture(worst, classes, dataset):
@@ -186,12 +186,12 @@ def worst_picture(worst, classes, dataset):
                       title="worst mistakes (true -> predicted, probability)", cols=min(8, max(len(worst), 1)))
 
 
-def epoch_pictures(logger, val, worst, classes, dataset, step):
+def epoch_pictures(logger, val, worst, classes, dataset, global_step):
     """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took."""
     if not logger.enabled:
         return 0.0
     start = time.perf_counter()
-    logger.image("val/confusion_matrix", confusion_matrix_image(val["val_confusion"], classes), step)
+    logger.image("val/confusion_matrix", confusion_matrix_image(val["val_confusion"], classes), global_step)
     if worst is not None:  # train.worst_images > 0; also when there was no mistake
-        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), step)
+        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), global_step)
     return round(time.perf_counter() - start, 4)

@@ -101,9 +101,9 @@ class RunLogger:
         if self.enabled:
             save_config(cfg, self.run_dir / "config.yaml")
 
-    def scalar(self, tag, value, step):
+    def scalar(self, tag, value, global_step):
         if self.enabled:
-            self.writer.add_scalar(tag, value, step)
+            self.writer.add_scalar(tag, value, global_step)
 
     def epoch(self, metrics, classes=()):
         """One line of metrics.jsonl; each of its numbers (per-class lists by class name) becomes a
@@ -113,19 +113,19 @@ class RunLogger:
         metrics = {"time": round(time.time(), 3), **metrics}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        step = metrics["step"]
+        global_step = metrics["step"]
         for key, value in metrics.items():
             if key in ("time", "step"):
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(scalar_tag(key), value, step)
+                self.writer.add_scalar(scalar_tag(key), value, global_step)
             elif isinstance(value, list) and len(value) == len(classes) and all(
                     isinstance(v, (int, float)) for v in value):  # per class; the confusion matrix is a figure
                 for name, v in zip(classes, value):
-                    self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, step)
+                    self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, global_step)
         self.writer.flush()
 
-    def image(self, tag, image, step):
+    def image(self, tag, image, global_step):
         """An RGB uint8 (H, W, 3) picture from utils/figures.py, as a PNG in the event file. Encoded here:
         add_image converts to float, resamples at scale 1 and compresses at zlib's level 6, which cost
         more than drawing the picture did."""
@@ -138,7 +138,7 @@ class RunLogger:
         height, width, channels = image.shape
         value = Summary.Value(tag=tag, image=Summary.Image(height=height, width=width, colorspace=channels,
                                                            encoded_image_string=png.getvalue()))
-        self.writer._get_file_writer().add_summary(Summary(value=[value]), step)
+        self.writer._get_file_writer().add_summary(Summary(value=[value]), global_step)
 
     def hparams(self, config, metric_tags):
         """The flattened config in TensorBoard's HParams tab, beside the last value of `metric_tags`."""
@@ -152,20 +152,20 @@ class RunLogger:
         for summary in hparams(flat, {tag: math.nan for tag in metric_tags}):
             writer.add_summary(summary)
 
-    def progress(self, iterable, total, desc):
+    def progress_bar(self, iterable, total, desc):
         """A tqdm bar on a terminal; elsewhere the iterable itself (no bar, so no carriage returns in a file)."""
         if not (self.enabled and self.tty):
             return _NoBar(iterable)
         return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, leave=False, mininterval=0.1)
 
-    def window(self, bar, label, step, total, loss, img_s, lr, eta_s):
+    def window(self, bar, label, epoch_step, total, loss, img_s, lr, eta_s):
         """A log window's numbers: the bar's postfix on a terminal, else one plain line (rank 0 only)."""
         if not self.enabled:
             return
         if self.tty:
             bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{img_s:.0f}", lr=f"{lr:.2e}")
         else:
-            print(f"{label}  step {step}/{total}  loss {loss:.4f}  {img_s:.0f} img/s  lr {lr:.2e}  "
+            print(f"{label}  step {epoch_step}/{total}  loss {loss:.4f}  {img_s:.0f} img/s  lr {lr:.2e}  "
                   f"ETA {_clock(eta_s)}", flush=True)
 
     def flush(self):
