@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from model import use_channels_last
 from utils import checkpoint as ckpt
+from utils.cli import OUT_OF_MEMORY, out_of_memory
 from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync, reduce_min,
                                      reduce_sums)
@@ -576,6 +577,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     try:
         for epoch in range(run_state.epoch, cfg.train.epochs):
             metrics = _train_epoch(run, epoch)
+    except OUT_OF_MEMORY as e:
+        raise out_of_memory(e, cfg, dist_info, script_name) from e
     finally:
         run.stop.uninstall()
         logger.close()

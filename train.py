@@ -14,7 +14,7 @@ import torch
 
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
-from utils.cli import cli_entry
+from utils.cli import cli_entry, refuse_launcher
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
 from engine import fit
@@ -22,6 +22,7 @@ from engine import fit
 
 @cli_entry
 def main(argv=None):
+    refuse_launcher("train.py")
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
     # -- device: exactly one, --device auto = CUDA if present --

@@ -17,7 +17,7 @@ from torch import nn
 
 from data import ShardSampler, build_datasets, epoch_sampler, make_loader
 from model import build_model
-from utils.cli import cli_entry
+from utils.cli import cli_entry, refuse_launcher
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
 from engine import fit
@@ -44,6 +44,7 @@ class AutocastForward(torch.nn.Module):
 
 @cli_entry
 def main(argv=None):
+    refuse_launcher("train_multi_gpu_dp.py")
     cfg = load_config(argv, description=__doc__.splitlines()[0])
 
     # -- device: all visible GPUs, outputs gathered on the first: --device cuda:N's GPU, then the others --

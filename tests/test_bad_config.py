@@ -8,6 +8,7 @@ naming the culprit, no traceback, and the earlier run's files untouched.
 Most cases call the scripts' main() in this process (fast); a few run the
 real CLI and torchrun in a subprocess.
 """
+import json
 import os
 import socket
 import subprocess
@@ -87,6 +88,9 @@ CASES = {
     # Refused by the loop before it writes anything: the fresh --output-dir is not even created.
     "accum_steps_over_an_epoch": (lambda e: ["--output-dir", e["base"] / "unborn", "train.accum_steps=7"], 2,
                                   "train.accum_steps=7 is more than the 6 batches of an epoch per process"),
+    "compile_with_activation_checkpointing": (
+        lambda e: ["--output-dir", e["base"] / "unborn", "train.compile=true", "model.activation_checkpointing=true"],
+        2, "train.compile=true cannot compile model.activation_checkpointing=true's blocks"),
     "class_weights_count": (lambda e: ["--output-dir", e["base"] / "unborn", "optim.class_weights=[1,2,3]"], 2,
                             "optim.class_weights has 3 weights, the data has 5 classes"),
 }
@@ -119,6 +123,50 @@ def test_dp_global_batch_smaller_than_gpus(earlier, monkeypatch):
     args = ARGS + ["--device", "auto", "--batch-size", "2", "--data-path", earlier["root"]]
     code, out, err = call_main(train_multi_gpu_dp.main, args)
     assert "--batch-size 2 is smaller than the 4 GPUs" in error_line(code, out, err, 2)
+
+
+def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_finished_epoch(earlier, tmp_path, monkeypatch):
+    """CUDA's out-of-memory error, raised from the model's forward in epoch 2's third step, ended in
+    torch's traceback. It is one line naming the batch, the process and what to try, exit 1, and
+    epoch 1's checkpoint and metrics line stay as they were written."""
+    import torchvision
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch 2.4: only the latter
+    forward, calls = torchvision.models.ResNet._forward_impl, [0]
+
+    def run_out_of_memory(self, x):
+        if torch.is_grad_enabled() and self.training:
+            calls[0] += 1
+            if calls[0] == 6 + 3:  # 25 training images in batches of 4: 6 steps an epoch
+                raise oom("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                          "79.19 GiB of which 1.06 GiB is free. Of the allocated memory 75.2 GiB is allocated by "
+                          "PyTorch, and 1.1 GiB is reserved by PyTorch but unallocated.")
+        return forward(self, x)
+
+    monkeypatch.setattr(torchvision.models.ResNet, "_forward_impl", run_out_of_memory)
+    run = tmp_path / "run"
+    code, out, err = call_main(train.main, ARGS + ["--data-path", earlier["root"], "--output-dir", run,
+                                                   "--epochs", "2"])
+    assert error_line(code, out, err, 1) == (
+        "error: out of memory on cpu (the only process) at --batch-size 4; tried to allocate 2.00 GiB with "
+        "1.06 GiB free: try --batch-size 2 with train.accum_steps=2 (the global batch stays 4), or "
+        "model.activation_checkpointing=true, or train_multi_gpu_fsdp.py, which shards the model over the GPUs")
+    assert calls[0] == 9
+    assert torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["epoch"] == 1
+    assert [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_out_of_memory_names_the_rank_and_leaves_out_what_is_already_on():
+    """Under DDP the line names the rank and the per-process batch; advice already taken is not given."""
+    from types import SimpleNamespace
+    from utils.cli import out_of_memory
+    from utils.distributed_utils import DistInfo
+    cfg = SimpleNamespace(train=SimpleNamespace(batch_size=5, accum_steps=2, compile=False),
+                          model=SimpleNamespace(activation_checkpointing=True))
+    info = DistInfo(rank=3, world_size=8, device=torch.device("cuda", 3))
+    e = out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory."), cfg, info, "fsdp")
+    assert str(e) == ("out of memory on cuda:3 (rank 3 of 8) at --batch-size 5 per process: try a smaller "
+                      "--batch-size with a larger train.accum_steps (the global batch stays 80)")
+    assert e.exit_code == 1
 
 
 def test_weights_of_another_architecture_load_what_fits_and_report(earlier, tmp_path):

@@ -271,3 +271,30 @@ def test_chinese_class_names_train_resume_and_stay_readable(tmp_path):
     raw = (out / "预测.json").read_bytes().decode("utf-8")
     assert "\\u" not in raw and len(json.loads(raw)) == 6
     assert {t["class"] for row in json.loads(raw) for t in row["top"]} == set(names)
+
+
+# --------------------------------------------------------------------------- a one-process script under torchrun
+
+def test_one_process_scripts_under_torchrun_stop_before_reading_data(tmp_path):
+    """`torchrun --nproc_per_node=2 train.py` started two trainings that knew nothing of each other and
+    wrote one run directory (4 metrics lines for 2 epochs). Both one-process scripts stop, in one line
+    that names the script to use, before reading any data (a missing --data-path is never reached)
+    and without writing anything under their working directory."""
+    scripts = ("train.py", "train_multi_gpu_dp.py")
+    for script in scripts:
+        (tmp_path / script).mkdir()
+
+    def launch(script):
+        return run_entry(script, *FAST_ARGS, "--data-path", tmp_path / "no_such_data", nproc=2, cwd=tmp_path / script)
+
+    with ThreadPoolExecutor(len(scripts)) as pool:
+        procs = dict(zip(scripts, pool.map(launch, scripts)))
+    for script, proc in procs.items():
+        text = proc.stdout + proc.stderr
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert proc.returncode != 0 and errors == [
+            f"error: {script} trains as one process, but a launcher started 2 of them (WORLD_SIZE=2): each would "
+            "train alone and all would write one run directory; launch train_multi_gpu_ddp.py instead (or "
+            "train_multi_gpu_fsdp.py to shard the model)"], (script, text[-3000:])
+        assert "exitcode  : 2" in text, text[-3000:]  # torchrun's summary: the usage exit code, on a rank
+        assert list((tmp_path / script).iterdir()) == [], script

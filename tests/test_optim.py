@@ -19,7 +19,7 @@ from engine import Criterion, EpochHooks, Step, class_weights, train_one_epoch
 from utils.errors import UserError
 from train_multi_gpu_dp import AutocastForward
 from utils.mixing import batch_mixer
-from utils.optim import WeightEMA, build_optimizer, build_scaler, build_scheduler, resolve_amp
+from utils.optim import WeightEMA, build_optimizer, build_scaler, build_scheduler, load_optimizer_state, resolve_amp
 from utils.run_logger import RunLogger
 
 CPU = torch.device("cpu")
@@ -520,3 +520,27 @@ def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(f
     assert logged["train/skipped_steps"] == 1
     assert 0 < logged["train/grad_norm"] < 100  # the three finite steps' mean (each norm is ~1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name,fused", [("sgd", False), ("sgd", True), ("adamw", False), ("adamw", True)])
+def test_restored_optimizer_state_takes_the_parameters_layout(name, fused):
+    """A CPU run saves contiguous momentum and Adam moments; resumed on a GPU, where build_model makes
+    the parameters channels_last, load_state_dict's .to() kept the saved strides and CUDA's fused
+    kernels refused the first step. Here on CPU: the conv weight's state has the parameter's strides."""
+    if fused and not _cpu_fused(name):
+        pytest.skip(f"this torch has no fused {name} on the CPU")
+    saving = small_net()
+    opt = build_optimizer(saving, optim_cfg(name=name, lr=0.1))
+    scaled_step(saving, opt, build_scaler(None, CPU), batches(1)[0])
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = small_net().to(memory_format=torch.channels_last)
+    conv = resumed[0].weight
+    assert not conv.is_contiguous() and saved["state"][0]["momentum_buffer" if name == "sgd" else "exp_avg"] \
+        .is_contiguous()
+    restored = build_optimizer(resumed, optim_cfg(name=name, lr=0.1), fused=fused)
+    load_optimizer_state(restored, saved)
+    keys = ["momentum_buffer"] if name == "sgd" else ["exp_avg", "exp_avg_sq"]
+    for key in keys:
+        assert restored.state[conv][key].stride() == conv.stride(), key
+        assert torch.equal(restored.state[conv][key], saved["state"][0][key]), key
+    scaled_step(resumed, restored, build_scaler(None, CPU), batches(1)[0])  # and it steps

@@ -1,4 +1,6 @@
 """The entry scripts' wrapper: a UserError becomes one `error:` line and its exit code, no traceback.
+Also the runtime errors a user can act on (a collective's timeout, out of memory) as UserErrors, and
+the refusal of a one-process script under a launcher.
 
 Set TRAIN_DEBUG=1 in the environment to get the full Python traceback as well.
 """
@@ -9,6 +11,8 @@ import os
 import re
 import sys
 import traceback
+
+import torch
 
 from utils.distributed_utils import restart_store, cleanup
 from utils.errors import RUNTIME_EXIT, UserError, one_line
@@ -54,6 +58,18 @@ def cli_entry(main):
     return wrapper
 
 
+def refuse_launcher(script):
+    """A one-process script started by torchrun or another launcher (WORLD_SIZE > 1 in the
+    environment) would run WORLD_SIZE trainings that know nothing of each other, on one GPU,
+    all writing one run directory: stop, before any data is read, naming the script to use."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise UserError(f"{script} trains as one process, but a launcher started {world} of them (WORLD_SIZE="
+                        f"{world}): each would train alone and all would write one run directory; launch "
+                        "train_multi_gpu_ddp.py instead (or train_multi_gpu_fsdp.py to shard the model)",
+                        every_rank=True)
+
+
 # gloo's "Timed out waiting 1800000ms for recv operation to complete", NCCL's watchdog message.
 _TIMEOUT = re.compile(r"Timed out waiting (\d+) ?ms for \w+ operation|Watchdog caught collective operation timeout")
 
@@ -72,6 +88,35 @@ def collective_timeout(e):
                      "hung (a stuck filesystem, a lost node), broken GPU peer-to-peer (NCCL_P2P_DISABLE=1), "
                      "too little shared memory for the loaders, or a collective that only some ranks run; check "
                      "with tools/ddp_check.py, see docs/troubleshooting.md", exit_code=RUNTIME_EXIT)
+
+
+# torch >= 2.5 raises torch.OutOfMemoryError for every device; 2.4 has torch.cuda.OutOfMemoryError
+# (which later torch keeps as the same class).
+OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError)
+
+
+def out_of_memory(e, cfg, dist_info, script_name):
+    """Out of device memory in the loop as one line naming the batch size, the process and what to
+    try, each only where it applies; torch's "Tried to allocate ... of which ... is free" kept."""
+    batch, accum, world = cfg.train.batch_size, cfg.train.accum_steps, dist_info.world_size
+    text = str(e)
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    free = re.search(r"of which ([\d.]+ [KMGT]?i?B) is free", text)
+    detail = "".join([f"; tried to allocate {asked.group(1)}" if asked else "",
+                      f" with {free.group(1)} free" if asked and free else ""])
+    where = f"rank {dist_info.rank} of {world}" if world > 1 else "the only process"
+    tries = []
+    if batch > 1:
+        smaller = (f"--batch-size {batch // 2} with train.accum_steps={2 * accum}" if batch % 2 == 0 else
+                   "a smaller --batch-size with a larger train.accum_steps")
+        tries.append(f"{smaller} (the global batch stays {batch * accum * world})")
+    if not cfg.model.activation_checkpointing:
+        tries.append("model.activation_checkpointing=true" + (" (with train.compile=false)" if cfg.train.compile else ""))
+    if script_name != "fsdp":
+        tries.append("train_multi_gpu_fsdp.py, which shards the model over the GPUs")
+    advice = f": try {', or '.join(tries)}" if tries else ""
+    return UserError(f"out of memory on {dist_info.device} ({where}) at --batch-size {batch}"
+                     f"{' per process' if world > 1 else ''}{detail}{advice}", exit_code=RUNTIME_EXIT)
 
 
 def print_error(e):

@@ -274,6 +274,11 @@ def _check_ranges(cfg):
             bad("optim.class_weights", f"{list(weights)}; a list needs one positive number per class")
     elif weights not in ("none", "auto"):
         bad("optim.class_weights", f"'{weights}'; choose none, auto, or a list of one weight per class")
+    if cfg.train.compile and cfg.model.activation_checkpointing:
+        # dynamo cannot trace the context_fn that keeps BatchNorm's statistics to one update per step.
+        raise UserError("train.compile=true cannot compile model.activation_checkpointing=true's blocks; "
+                        "set train.compile=false to keep the memory saving, or "
+                        "model.activation_checkpointing=false to compile")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:

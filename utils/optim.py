@@ -60,18 +60,28 @@ def load_optimizer_state(optimizer, saved):
     load_state_dict takes the saved groups' settings, `fused` included: an fp16 run (fused, for
     GradScaler's on-device inf check) resumed from a bf16, fp32 or CPU checkpoint would step a plain
     optimizer through GradScaler's fused branch and assert. The saved groups get this optimizer's
-    flags before loading, so torch also places the state (AdamW's step count) for this implementation."""
+    flags before loading, so torch also places the state (AdamW's step count) for this implementation.
+
+    load_state_dict moves the momentum and Adam moments with .to(), which keeps the saved strides: a
+    CPU checkpoint (contiguous) resumed on a GPU (channels_last parameters) would give state whose
+    layout differs from its parameter's, which CUDA's fused SGD and AdamW refuse at the first step.
+    Each such tensor is copied into its parameter's layout."""
     groups = [{**g, **{k: own[k] for k in _IMPLEMENTATION if k in own}}
               for g, own in zip(saved["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({**saved, "param_groups": groups})
     for group in optimizer.param_groups:
-        if not (group.get("fused") or group.get("capturable")):
-            # A fused run keeps AdamW's step counts on the device; plain AdamW reads its count on
-            # the host each step, which would then be a host sync per step.
-            for p in group["params"]:
-                step = optimizer.state[p].get("step")
-                if torch.is_tensor(step) and step.device.type != "cpu":
-                    optimizer.state[p]["step"] = step.cpu()
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})  # .get: no empty entry for a parameter without state
+            for key, value in list(state.items()):
+                if key != "step" and torch.is_tensor(value) and value.shape == p.shape \
+                        and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+            step = state.get("step")
+            if not (group.get("fused") or group.get("capturable")) and torch.is_tensor(step) \
+                    and step.device.type != "cpu":
+                # A fused run keeps AdamW's step counts on the device; plain AdamW reads its count on
+                # the host each step, which would then be a host sync per step.
+                state["step"] = step.cpu()
     zero_momentum(optimizer)
 
 
