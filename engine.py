@@ -276,14 +276,23 @@ class _TimedBatches:
         return sum(share > DATA_WAIT_HINT for share in self.shares) * 2 > len(self.shares)
 
 
+@dataclass
+class EpochEnd:
+    """What train_one_epoch returns, whether the epoch ran to its end or a stop request ended it."""
+    global_step: int                        # optimizer steps taken, this epoch's included
+    stopped: bool = False                   # a stop request ended it after hooks.save_step; no metrics then
+    input_bound: bool = False               # most log windows waited over DATA_WAIT_HINT of their time
+    metrics: dict = field(default_factory=dict)  # train_loss, img_per_s, train_seconds, train_data_wait
+
+
 def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None):
-    """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step.
+    """One pass over `loader`; returns its EpochEnd: the epoch's mean loss (over all ranks), throughput, step.
 
     Steps are optimizer steps: each takes `step.accum_steps` batches of the loader; a tail of fewer
     batches is not trained. `global_step`, `hooks.log_every` and `hooks.save_every` count optimizer steps.
     resume: a mid-epoch checkpoint's point (checkpoint.resume_point) to continue from.
     At the first window boundary after each `hooks.save_every` steps, and on a stop request, every
-    rank calls hooks.save_step; after a stop it returns {"stopped": True, "global_step": ...}.
+    rank calls hooks.save_step; after a stop it returns EpochEnd(global_step, stopped=True).
     Under clipping, train/grad_norm is the window's mean pre-clip norm over the steps with finite
     gradients, and train/skipped_steps counts the others (fp16's GradScaler skipped them).
     train_data_wait: the share of the windows' time the ranks (on average) waited for batches;
@@ -337,13 +346,13 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
             hooks.save_step(i + 1, global_step, loss_sum.item(), images_seen)
             next_save = (global_step // hooks.save_every + 1) * hooks.save_every if hooks.save_every else None
             if stopping:
-                return {"stopped": True, "global_step": global_step}
+                return EpochEnd(global_step, stopped=True)
     seconds = time.perf_counter() - start
     epoch_totals = reduce_sums({"loss": loss_sum, "images": loss_sum.new_tensor(float(images_seen))})
-    return {"train_loss": epoch_totals["loss"] / epoch_totals["images"],
-            "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
-            "train_seconds": seconds, "train_data_wait": waits.wait_share(),
-            "global_step": global_step, "input_bound": waits.input_bound()}
+    return EpochEnd(global_step, input_bound=waits.input_bound(),
+                    metrics={"train_loss": epoch_totals["loss"] / epoch_totals["images"],
+                             "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
+                             "train_seconds": seconds, "train_data_wait": waits.wait_share()})
 
 
 def _skip_trained(batches, resume):
@@ -393,9 +402,16 @@ def _close_window(step, hooks, logger, window, epoch, global_step, waited, bar_f
 
 # --------------------------------------------------------------------------- evaluation
 
+@dataclass
+class EvalSettings:
+    """How evaluate runs the model; a Step has the same three fields, and training passes its own."""
+    criterion: Criterion = field(default_factory=Criterion)  # per_image: val_loss and the worst mistakes
+    amp_dtype: Optional[torch.dtype] = None                  # autocast dtype; None = fp32
+    channels_last: bool = False                              # NHWC batches (CUDA)
+
+
 @torch.no_grad()
-def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=None, channels_last=False,
-             logger=None, worst_k=0):
+def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, worst_k=0):
     """Loss, accuracy, sample_metrics (top-5), confusion matrix, per-class precision/recall/F1 over the
     whole validation set, and with `worst_k` the k misclassified images of highest loss ("val_worst").
 
@@ -406,7 +422,8 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     """
     broadcast_buffers(model)  # every rank evaluates rank 0's model, the one checkpointed
     model.eval()
-    criterion = criterion or Criterion()
+    settings = settings or EvalSettings()
+    criterion, amp_dtype, channels_last = settings.criterion, settings.amp_dtype, settings.channels_last
     logger = logger or RunLogger(".", enabled=False)
     metrics = sample_metrics(num_classes)
     zero = torch.zeros((), device=device, dtype=torch.float64)
@@ -585,6 +602,13 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     return {"best_acc": run_state.best_acc, "run_dir": str(run_dir), "last": metrics}
 
 
+def compute_settings(cfg, device, class_weight=None):
+    """(criterion, autocast dtype or None, channels_last) of the config on `device`: resolved here
+    alone, for training (build_step) and --eval-only (whose loss is the plain per-image one)."""
+    return (build_criterion(cfg.optim, class_weight), resolve_amp(cfg.train.amp, device),
+            use_channels_last(cfg.model.channels_last, device))
+
+
 def build_step(cfg, model, train_loader, classes, dist_info):
     """The Step of this run from the config (optimizer, schedule, loss, amp, EMA, MixUp/CutMix) and
     the data layout a mid-epoch resume must find unchanged. Refuses, before anything is written,
@@ -597,13 +621,12 @@ def build_step(cfg, model, train_loader, classes, dist_info):
     class_weight = class_weights(cfg.optim.class_weights, getattr(train_loader.dataset, "targets", None),
                                  len(classes), device)
     network = ckpt.unwrap(model)  # what the optimizer, the EMA and the checkpoints see
-    amp_dtype = resolve_amp(cfg.train.amp, device)
+    criterion, amp_dtype, channels_last = compute_settings(cfg, device, class_weight)
     optimizer = build_optimizer(network, cfg.optim, world, fused=amp_dtype == torch.float16)
     step = Step(model=compile_model(model) if cfg.train.compile else model, optimizer=optimizer,
                 scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps),
                 scaler=build_scaler(amp_dtype, device), device=device,
-                criterion=build_criterion(cfg.optim, class_weight), amp_dtype=amp_dtype,
-                channels_last=use_channels_last(cfg.model.channels_last, device), accum_steps=accum,
+                criterion=criterion, amp_dtype=amp_dtype, channels_last=channels_last, accum_steps=accum,
                 clip_grad_norm=cfg.optim.clip_grad_norm,
                 mix=batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes)),
                 ema=WeightEMA(network, cfg.train.ema_decay) if cfg.train.ema_decay else None)
@@ -686,11 +709,9 @@ def _train_epoch(run, epoch):
     hooks = EpochHooks(logger=run.logger, log_every=cfg.train.log_every, world_size=run.dist_info.world_size,
                        epochs=cfg.train.epochs, stop=stop, save_every=cfg.train.save_every_steps,
                        save_step=save_step, first_batch=first_batch)
-    train = train_one_epoch(run.step, run.train_loader, epoch, run_state.global_step, hooks, run_state.resume_at)
-    run_state.resume_at = None
-    run_state.global_step = train.pop("global_step")
-    input_bound = train.pop("input_bound", False)  # a stopped epoch has none
-    if train.pop("stopped", False):
+    end = train_one_epoch(run.step, run.train_loader, epoch, run_state.global_step, hooks, run_state.resume_at)
+    run_state.resume_at, run_state.global_step, train = None, end.global_step, end.metrics
+    if end.stopped:
         _raise_stopped(stop, f"in epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     val, worst = _validate(run)
     # With an EMA, the better of the two weight sets competes; best.pt records which ("best_weights").
@@ -712,7 +733,7 @@ def _train_epoch(run, epoch):
                     f"val_loss {val['val_loss']:.4f}  val_acc {val['val_acc']:.4f}  "
                     + (f"val_acc_ema {val['val_acc_ema']:.4f}  " if run.step.ema is not None else "")
                     + f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
-    if input_bound and not run.hinted:
+    if end.input_bound and not run.hinted:
         run.hinted = True
         run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
     # A signal that came during evaluation: the epoch's checkpoint is already written.
@@ -733,13 +754,11 @@ def input_bound_hint(share, epoch, loader):
 def _validate(run):
     """The epoch's validation metrics (and the EMA's beside them) and its worst mistakes (or None)."""
     step, cfg = run.step, run.cfg
-    options = dict(criterion=step.criterion, amp_dtype=step.amp_dtype, channels_last=step.channels_last,
-                   logger=run.logger)
-    val = evaluate(step.model, run.val_loader, step.device, len(run.classes),
-                   worst_k=cfg.train.worst_images if cfg.train.figures else 0, **options)
+    val = evaluate(step.model, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
+                   worst_k=cfg.train.worst_images if cfg.train.figures else 0)
     worst = val.pop("val_worst", None)
     if step.ema is not None:  # the average's own evaluation, beside the raw weights'
-        averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), **options)
+        averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), step, logger=run.logger)
         val.update({f"{k}_ema": averaged[k] for k in ("val_loss", "val_acc", "val_macro_f1")})
     # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
     val["bad_images"] = sum(ds.sync_bad_images() for ds in (run.train_loader.dataset, run.val_loader.dataset)
@@ -766,8 +785,7 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
         del state, weights
     if dist_info.rank == 0:
         check_writable(run_dir)
-    val = evaluate(model, val_loader, device, len(classes), amp_dtype=resolve_amp(cfg.train.amp, device),
-                   channels_last=use_channels_last(cfg.model.channels_last, device),
+    val = evaluate(model, val_loader, device, len(classes), EvalSettings(*compute_settings(cfg, device)),
                    worst_k=cfg.train.worst_images)
     val.pop("val_seconds")
     val["val_worst"] = [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]}

@@ -5,7 +5,7 @@ the tests of what it touches still pass there, and the product does what the REA
 
 - an augmentation (ColorJitter in data.build_transforms): data.pipeline=auto trains on the PIL
   path, data.pipeline=gpu stops with its one line, and the transform tests pass;
-- a focal loss with a gamma key (a Criterion field, one line of Criterion.loss, optim.focal_gamma):
+- a focal loss with a gamma key (a Criterion field, the body of Criterion.loss, optim.focal_gamma):
   training runs on it, the key reaches it, the loop tests pass, and the NaN fault still reaches the
   training loss (tests/_faults.py patches the criterion);
 - a metric in engine.sample_metrics: it lands in metrics.jsonl, TensorBoard and eval.json;
