@@ -52,6 +52,7 @@ def main(argv=None):
     sync_bn = sync_bn_wanted(model, cfg.model.sync_bn, verbose=rank == 0)  # not where no BatchNorm trains
     model = convert_sync_bn(model, sync_bn, device, verbose=rank == 0)
     # train.amp -> a MixedPrecisionPolicy (bf16 compute, fp32 reduction and BatchNorm); model.blocks names the units.
+    # A channels_last model gets NCHW weights back (FSDP2 shards contiguous ones only); the batches stay channels_last.
     model = shard_model(model, make_mesh(device, world), amp_dtype=resolve_amp(cfg.train.amp, device),
                         names=cfg.model.blocks, verbose=rank == 0)
 

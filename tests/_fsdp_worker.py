@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from engine import Step, evaluate, train_one_epoch  # noqa: E402
 from utils.distributed_utils import broadcast_buffers, broadcast_object, cleanup, init_distributed_mode  # noqa: E402
+from utils import fsdp  # noqa: E402
 from utils.fsdp import checkpoint_blocks, full_state_dict, load_full_state_dict, make_mesh, shard_model  # noqa: E402
 from utils.optim import build_scaler  # noqa: E402
 
@@ -43,14 +44,20 @@ def batches(rank, n=4, size=16):
             for _ in range(n)]
 
 
-def train(model, opt, rank, accum, clip):
+def train(model, opt, rank, accum, clip, channels_last=False):
     """engine.train_one_epoch over this rank's 4 batches: 4 / accum optimizer steps."""
     opt = opt(model.parameters())
     step = Step(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                 scaler=build_scaler(None, torch.device("cpu")), device=torch.device("cpu"),
-                accum_steps=accum, clip_grad_norm=clip)
+                accum_steps=accum, clip_grad_norm=clip, channels_last=channels_last)
     train_one_epoch(step, batches(rank), epoch=0)
     return opt
+
+
+def groups(model):
+    """The sharded model's FSDP groups: each is one all-gather and one reduce-scatter per pass."""
+    states = [fsdp.fully_shard.state(m) for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+    return len({id(s._fsdp_param_group) for s in states if s._fsdp_param_group is not None})
 
 
 def state_of(model):
@@ -147,10 +154,38 @@ def main(out):
     checkpoint_blocks(mixed)
     mixed = shard_model(mixed, mesh, amp_dtype=torch.bfloat16, verbose=False)
     train(mixed, sgd, rank, 2, 0.0)
+    grouped, lists = state_of(mixed), fsdp.GROUP_LISTS
     logits = mixed.train()(batches(rank)[0][0])
     found["bf16_logits"] = str(logits.dtype)
     found["bf16_finite"] = bool(torch.isfinite(logits).all())
     found["bf16_bn_dtype"] = str(mixed.bn1.weight.dtype)
+    # A block's BatchNorms share one fp32 group: the same weights as one group per BatchNorm (torch 2.4's way).
+    fsdp.GROUP_LISTS = False
+    alone = resnet()
+    checkpoint_blocks(alone)
+    alone = shard_model(alone, mesh, amp_dtype=torch.bfloat16, verbose=False)
+    train(alone, sgd, rank, 2, 0.0)
+    ungrouped = state_of(alone)  # every rank: a collective
+    found["bf16_grouping_differ"] = differing(grouped, ungrouped) if rank == 0 else []
+    fsdp.GROUP_LISTS = lists
+    found["bf16_groups"] = groups(mixed)
+    found["bf16_groups_resnet34"] = groups(shard_model(torchvision.models.resnet34(num_classes=CLASSES), mesh,
+                                                       amp_dtype=torch.bfloat16, verbose=False))
+
+    # 6. channels_last, as build_model leaves the model on CUDA: shard_model takes it (FSDP2 shards contiguous
+    # parameters only) and trains it on channels_last batches, with NHWC convolutions, to DDP's weights on the
+    # same batches. (DDP of the channels_last model itself is not the reference: other kernels, other rounding.)
+    layouts = []
+    ddp = DDP(resnet())
+    train(ddp, sgd, rank, 1, 0.0, channels_last=True)
+    sharded = shard_model(resnet().to(memory_format=torch.channels_last), mesh, verbose=False)
+    nhwc = lambda t: t.is_contiguous(memory_format=torch.channels_last)  # noqa: E731
+    sharded.register_forward_pre_hook(lambda m, args: layouts.append(("input", nhwc(args[0]))))
+    sharded.conv1.register_forward_hook(lambda m, args, out: layouts.append(("conv1", nhwc(out))))
+    train(sharded, sgd, rank, 1, 0.0, channels_last=True)
+    found["channels_last_layouts"] = sorted(set(layouts))
+    a, b = state_of(ddp), state_of(sharded)
+    found["channels_last_differ"] = differing(a, b) if rank == 0 else []
 
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     cleanup()

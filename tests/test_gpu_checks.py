@@ -7,7 +7,9 @@ takes (setup from WHEELS into a Python without omegaconf, a step stopped by its 
 """
 import base64
 import hashlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,14 +89,16 @@ def omegaconf_wheel(folder):
 
 
 HIDE = """\
-# This interpreter's own omegaconf is hidden; a copy elsewhere on sys.path (PYTHONPATH) still imports.
+# This interpreter's own copies of these modules are hidden; a copy elsewhere on sys.path (PYTHONPATH)
+# still imports.
 import importlib.machinery, os, sys
 HIDDEN = {hidden!r}
+NAMES = {names!r}
 
-class HideInstalledOmegaconf:
+class HideInstalledModules:
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name != "omegaconf":
+        if name not in NAMES:
             return None
         rest = [p for p in sys.path if os.path.realpath(p or ".") != HIDDEN]
         spec = importlib.machinery.PathFinder.find_spec(name, rest)
@@ -102,21 +106,25 @@ class HideInstalledOmegaconf:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return spec
 
-sys.meta_path.insert(0, HideInstalledOmegaconf)
+sys.meta_path.insert(0, HideInstalledModules)
 """
 
 
-def python_without_omegaconf(tmp_path):
-    """A PYTHON for the script: this venv's interpreter, with torch, pytest... but no importable omegaconf.
-    The hiding sitecustomize rides on PYTHONPATH, so the processes it starts (sys.executable) lack it too."""
+def python_without(tmp_path, *names):
+    """A PYTHON for the script: this venv's interpreter, with torch, pytest... but none of `names` importable.
+    The hiding sitecustomize rides on PYTHONPATH, so the processes it starts (sys.executable) lack them too."""
     hide = tmp_path / "hide"
     hide.mkdir()
-    hidden = os.path.realpath(Path(omegaconf.__file__).parent.parent)
-    (hide / "sitecustomize.py").write_text(HIDE.format(hidden=hidden))
-    wrapper = tmp_path / "python-without-omegaconf"
+    hidden = os.path.realpath(Path(omegaconf.__file__).parent.parent)  # this venv's site-packages
+    (hide / "sitecustomize.py").write_text(HIDE.format(hidden=hidden, names=set(names)))
+    wrapper = tmp_path / f"python-without-{'-'.join(names)}"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{hide}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
     return wrapper
+
+
+def python_without_omegaconf(tmp_path):
+    return python_without(tmp_path, "omegaconf")
 
 
 def test_setup_installs_omegaconf_from_its_wheel_alone_and_the_run_goes_on(tmp_path):
@@ -153,6 +161,41 @@ def test_a_missing_module_without_wheels_is_one_error_line(tmp_path):
         "error: python modules missing: omegaconf; pip install -r requirements.txt, or WHEELS=<folder of wheels>"]
 
 
+def test_setup_names_every_missing_module_before_any_step_in_the_planned_order(tmp_path):
+    """Modules that only later steps import (matplotlib for the pictures and charts, pytest for the tests)
+    are named at setup, all at once; and the plan runs the FSDP memory tool, the FSDP training and the fp16
+    resume after the tests and before the benchmarks."""
+    py = python_without(tmp_path, "matplotlib", "pytest")
+    r = run_script(tmp_path, {"PYTHON": str(py), "WHEELS": ""}, timeout=60)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert [line for line in r.stdout.splitlines() if line.startswith("error:")] == [
+        "error: python modules missing: matplotlib pytest; pip install -r requirements.txt, "
+        "or WHEELS=<folder of wheels>"]
+    assert not (tmp_path / "work" / "results" / "gpu_checks" / "logs" / "data.log").exists(), "a step ran"
+    plan = next(line for line in r.stdout.splitlines() if line.startswith("steps: ")).split()[1:]
+    tests = [s for s in plan if s.startswith("test_")]
+    assert tests and plan == ["setup", "data", *tests, "ddp_check", "fsdp_memory", "train_fsdp", "resume_fp16",
+                              "benchmark", "scaling", "benchmark_compile"], plan
+
+
+def test_the_rehearsal_runs_the_fsdp_training_and_the_fp16_resume(tmp_path):
+    """QUICK=1 on the CPU: train_multi_gpu_fsdp.py for 2 epochs over 2 gloo processes, and train.py's CPU
+    checkpoint resumed (on the CPU here, on CUDA with fp16 on a GPU): each step checks what its run wrote
+    and the summary says what was trained. pytest is missing and the test steps are not chosen: no error."""
+    py = python_without(tmp_path, "pytest")
+    r = run_script(tmp_path, {"PYTHON": str(py), "QUICK": "1", "STEPS": "data train_fsdp resume_fp16"}, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    rows = summary_rows(tmp_path / "out")
+    assert list(rows) == ["data", "train_fsdp", "resume_fp16"], rows
+    assert rows["train_fsdp"][0] == "ok" and rows["train_fsdp"][3].startswith("2 epochs, "), rows
+    assert "2 process(es) on cpu, amp off; val_acc " in rows["train_fsdp"][3], rows
+    assert rows["resume_fp16"][0] == "ok", rows
+    assert re.fullmatch(r"1 epoch on cpu, resumed with 1 process\(es\) on cpu, amp off: 7 steps, "
+                        r"(\d+) of \1 parameters changed", rows["resume_fp16"][3]), rows
+    metrics = (tmp_path / "work" / "train_fsdp" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in metrics] == [1, 2]
+
+
 # ------------------------------------------------------------------ a step stopped by its limit
 
 OVERRUN = '''\
@@ -170,6 +213,7 @@ def test_overruns():
     # ... and one whose parent has already exited (a daemon): init's, unless someone reaps it.
     subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
                       + repr(SLEEPER) + ", {token!r}], start_new_session=True)"]).wait()
+    open({ready!r}, "w").close()  # both started: the limit found the test running
     time.sleep(600)
 '''
 
@@ -195,19 +239,28 @@ def processes_with(token, whole_arg=False):
 
 def test_a_step_stopped_by_its_limit_leaves_no_process_behind(tmp_path):
     token = f"gpu-checks-overrun-{os.getpid()}-{time.time_ns()}"
+    ready = tmp_path / "sleepers-started"
     test_file = tmp_path / "test_overrun.py"
-    test_file.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK))
+    test_file.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK, ready=str(ready)))
     try:
-        t = time.monotonic()
-        r = run_script(tmp_path, {"PYTHON": sys.executable, "TESTS": str(test_file), "STEPS": "test_overrun",
-                                  "L_OTHER": "4", "GRACE": "2"}, timeout=120)
-        wall = time.monotonic() - t
+        # The limit must end the step after the fake test has started its sleepers. Under load pytest can
+        # take longer than the limit to get there: then nothing was tested, and the run is repeated with
+        # a limit four times as long. GRACE is the script's own: pytest, interrupted, writes its junit
+        # file in it (seen to take over 2 s on a loaded CPU); the sleepers ignore SIGTERM and wait it out.
+        for limit in (4, 16, 64):
+            t = time.monotonic()
+            r = run_script(tmp_path, {"PYTHON": sys.executable, "TESTS": str(test_file), "STEPS": "test_overrun",
+                                      "L_OTHER": str(limit), "GRACE": "15"}, timeout=limit + 120)
+            wall = time.monotonic() - t
+            if ready.exists():
+                break
+        assert ready.exists(), "pytest did not reach the fake test within 64 s"
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
         time.sleep(0.5)
         assert processes_with(token.encode()) == [], "processes the step started are still running"
         rows = summary_rows(tmp_path / "out")
         assert rows["test_overrun"][0] == "TIMED OUT" and rows["test_overrun"][4] == "stopped in test_overruns", rows
-        assert wall < 60, wall  # the limit (4 s) and GRACE (2 s) bound the step, not the sleepers' 600 s
+        assert wall < limit + 75, wall  # the limit and GRACE (15 s) bound the step, not the sleepers' 600 s
         assert {"gpu_checks/logs/test_overrun.log", "gpu_checks/junit-overrun.xml"} <= archive_names(tmp_path / "out")
     finally:
         for pid in processes_with(token.encode()):  # a failed run must not leave them to CI
@@ -217,7 +270,7 @@ def test_a_step_stopped_by_its_limit_leaves_no_process_behind(tmp_path):
 def test_the_script_stopped_by_a_signal_stops_its_step_and_still_packs(tmp_path):
     token = f"gpu-checks-signal-{os.getpid()}-{time.time_ns()}"
     test_file = tmp_path / "test_overrun.py"
-    test_file.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK))
+    test_file.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK, ready=str(tmp_path / "started")))
     script = start_script(tmp_path, {"PYTHON": sys.executable, "TESTS": str(test_file), "STEPS": "test_overrun",
                                       "L_OTHER": "100", "GRACE": "2"})
     try:

@@ -18,11 +18,15 @@ The checks, in the order they run (rank 0 prints every line, `ok`, `FAIL ... -> 
     process group   the group forms: backend, world size, ranks per node
     gpu p2p         CUDA only: every GPU pair of each node copies data correctly within the time
                     limit (3090/4090 with broken peer-to-peer hang or corrupt here; NCCL_P2P_DISABLE=1)
+    gpu links       CUDA only, information: per GPU pair, whether CUDA grants peer access and, where
+                    `nvidia-smi topo -m` answers, the link between them (NV# NVLinks, PIX/PXB/PHB PCIe,
+                    NODE/SYS across host bridges or CPU sockets)
     all-reduce      sum of rank+1 over the ranks is n(n+1)/2
     bandwidth       all-reduce bus bandwidth, busbw = algbw * 2(n-1)/n (nccl-tests' definition)
     shm             /dev/shm of each node holds what its loaders keep in flight:
                     processes x workers x prefetch x batch x one sample's bytes (the training
-                    transform run on a test image: 3 x img_size^2 for its uint8 output)
+                    transform run on a test image: 3 x img_size^2 for its uint8 output); above
+                    Docker's default of 64 MiB the line names the --shm-size a container needs
     env             which NCCL_* and network variables are set (information, never a failure)
 
 Every rank runs every collective (the project's rule); the facts of one node (its GPU pairs,
@@ -31,7 +35,9 @@ so a node whose GPUs cannot talk still reports why.
 """
 import argparse
 import json
+import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -50,6 +56,7 @@ from utils.distributed_utils import init_distributed_mode, read_launch_env  # no
 from utils.errors import UserError  # noqa: E402
 
 SHM_PATH = "/dev/shm"  # where torch's DataLoader workers put their batches on Linux
+DOCKER_SHM = 64 * 2**20  # a container's /dev/shm unless `docker run --shm-size` says otherwise
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "TP_SOCKET_IFNAME", "USE_LIBUV")
 PG_FIX = ("every node must reach MASTER_ADDR:MASTER_PORT (firewall, a free port: torchrun --master_port=PORT); "
@@ -93,6 +100,8 @@ class Report:
 def p2p_worker():
     """Child: copy a known pattern between every ordered GPU pair; one JSON line per pair as it ends."""
     n = torch.cuda.device_count()
+    print(json.dumps({"peer": [[src != dst and torch.cuda.can_device_access_peer(src, dst) for dst in range(n)]
+                               for src in range(n)]}), flush=True)
     numel = 16 * 2**20 // 4  # 16 MB: large enough to use the copy engines, short enough for 56 pairs
     for src in range(n):
         pattern = torch.arange(numel, dtype=torch.float32, device=f"cuda:{src}")
@@ -105,15 +114,15 @@ def p2p_worker():
             torch.cuda.synchronize(dst)
             seconds = time.perf_counter() - t0
             good = bool(torch.equal(copy.cpu(), pattern.cpu()))
-            print(json.dumps({"pair": [src, dst], "good": good, "seconds": seconds,
-                              "peer": torch.cuda.can_device_access_peer(src, dst)}), flush=True)
+            print(json.dumps({"pair": [src, dst], "good": good, "seconds": seconds}), flush=True)
 
 
 def gpu_pairs(timeout_s):
-    """This node's pairs -> {"gpus": n, "bad": [...], "hung": pair or None, "slowest": s}."""
+    """This node's pairs -> {"gpus": n, "bad": [...], "hung": pair or None, "slowest": s,
+    "peer": n x n peer access or None, "links": {(i, j): link kind} or None}."""
     n = torch.cuda.device_count()
     if n < 2:
-        return {"gpus": n, "bad": [], "hung": None, "slowest": 0.0}
+        return {"gpus": n, "bad": [], "hung": None, "slowest": 0.0, "peer": None, "links": None}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen([sys.executable, __file__, "--p2p-worker"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -131,8 +140,81 @@ def gpu_pairs(timeout_s):
     bad = [r["pair"] for r in done if not r["good"]]
     if proc.returncode and not timed_out:  # the child crashed: its last line says why
         bad.append(out.strip().splitlines()[-1] if out.strip() else f"exit code {proc.returncode}")
+    uuids = [str(getattr(torch.cuda.get_device_properties(i), "uuid", "")) for i in range(n)]
     return {"gpus": n, "bad": bad, "hung": hung, "timed_out": timed_out,
-            "slowest": max((r["seconds"] for r in done), default=0.0)}
+            "slowest": max((r["seconds"] for r in done), default=0.0),
+            "peer": next((r["peer"] for r in records if "peer" in r), None), "links": gpu_links(uuids)}
+
+
+# -- gpu links: what connects each pair, from nvidia-smi, whose GPU numbers are its own (PCI order);
+# CUDA's may differ (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER), so the two are matched by UUID --
+
+def nvidia_smi(*args):
+    """nvidia-smi's output, or None where it is absent, fails or hangs."""
+    try:
+        r = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def parse_topology(text):
+    """`nvidia-smi topo -m` -> {(i, j): kind} for i < j, nvidia-smi's GPU numbers."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in text.splitlines()]  # its header is underlined
+    header = next((line.split() for line in lines if re.match(r"\s*GPU\d+\b", line)), [])
+    links = {}
+    for line in lines:
+        cells = line.split()
+        m = re.fullmatch(r"GPU(\d+)", cells[0]) if cells else None
+        if m is None:
+            continue
+        for col, kind in zip(header, cells[1:]):  # GPU and NIC columns come before "CPU Affinity"
+            other = re.fullmatch(r"GPU(\d+)", col)
+            if other and int(m.group(1)) < int(other.group(1)):
+                links[int(m.group(1)), int(other.group(1))] = kind
+    return links
+
+
+def gpu_links(uuids):
+    """{(i, j): link kind} for CUDA's GPUs i < j, or None without `nvidia-smi topo -m` or UUIDs to match."""
+    topo, ids = nvidia_smi("topo", "-m"), nvidia_smi("--query-gpu=uuid,index", "--format=csv,noheader")
+    if topo is None or ids is None:
+        return None
+    smi_index = {}
+    for line in ids.splitlines():
+        uuid, _, index = line.rpartition(",")
+        if index.strip().isdigit():
+            smi_index[uuid.strip().lower().removeprefix("gpu-")] = int(index)
+    index = [smi_index.get(u.lower().removeprefix("gpu-")) for u in uuids]
+    if None in index:
+        return None
+    links = parse_topology(topo)
+    found = {}
+    for i in range(len(index)):
+        for j in range(i + 1, len(index)):
+            kind = links.get((min(index[i], index[j]), max(index[i], index[j])))
+            if kind is not None:
+                found[i, j] = kind
+    return found or None
+
+
+def links_text(n, peer, links):
+    """One node's pairs grouped by what they have: '<link>, peer access <how>: 0-1 0-2 (2 pairs); ...'."""
+    groups = {}
+    for i in range(n):
+        for j in range(i + 1, n):
+            ways = (peer[i][j], peer[j][i]) if peer else None
+            access = ("peer access unknown" if ways is None else "peer access" if all(ways) else
+                      "no peer access" if not any(ways) else f"peer access {i}->{j} only" if ways[0]
+                      else f"peer access {j}->{i} only")
+            kind = (links or {}).get((i, j), "link unknown")
+            groups.setdefault(f"{kind}, {access}", []).append(f"{i}-{j}")
+    pairs = n * (n - 1) // 2
+    if len(groups) == 1:
+        text = f"all {pairs} pair(s) of cuda:0-{n - 1}: {next(iter(groups))}"
+    else:
+        text = "; ".join(f"{what}: {' '.join(p)} ({len(p)} pair(s))" for what, p in groups.items())
+    return text + ("" if links else " (no `nvidia-smi topo -m` to name the links)")
 
 
 # -- /dev/shm: the loader's workers hand every batch to the main process through shared memory --
@@ -166,6 +248,46 @@ def shm_free(path=SHM_PATH):
     except (OSError, AttributeError):  # no /dev/shm (macOS, Windows): torch shares memory another way
         return None
     return st.f_bavail * st.f_frsize
+
+
+def sync(device):
+    """Wait for the work queued on the device: CUDA kernels and NCCL collectives return before they run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bus_bandwidth(sizes_mb, device, world, group, iters=5):
+    """[(MB, busbw in GB/s)]: all-reduces of each size, timed on the slowest rank, as the step waits for it."""
+    found = []
+    for mb in sizes_mb:
+        buf = torch.ones(max(1, int(mb * 2**20 / 4)), device=device)
+        dist.all_reduce(buf)  # warm-up: connections and buffers are set up on first use
+        sync(device)  # else the fill and the warm-up, still queued, are timed with the loop
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(buf)
+        sync(device)
+        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        algbw = buf.numel() * 4 / elapsed.item() / 1e9
+        found.append((mb, algbw * 2 * (world - 1) / world))  # nccl-tests' bus bandwidth
+    return found
+
+
+def shm_verdict(host, need, how, free):
+    """(tag, text, fix or None) of one node's /dev/shm."""
+    size = f"--shm-size={max(1, math.ceil(need * 1.25 / 2**30))}g"  # a quarter more: NCCL's own segments too
+    docker = f"; above Docker's default of 64 MiB: in a container, docker run {size}" if need > DOCKER_SHM else ""
+    if need == 0:
+        return "ok", f"{host}: no loader workers ({how}): batches do not pass through {SHM_PATH}", None
+    if free is None:
+        return "skip", f"{host}: no {SHM_PATH} on this system; needs {gb(need)} ({how})", None
+    text = f"{host}: {SHM_PATH} has {gb(free)} free, loaders need {gb(need)} ({how})"
+    if need <= free:
+        return "ok", text + docker, None
+    return "FAIL", text, (f"Docker: docker run {size} (or more); else fewer data.num_workers or a smaller "
+                          "train.batch_size")
 
 
 def network_env():
@@ -236,6 +358,8 @@ def main(argv=None):
                 n = found["gpus"]
                 report.ok("gpu p2p", f"{host}: {n * (n - 1)} pairs of {n} GPUs copy 16 MB correctly, "
                                      f"slowest {found['slowest'] * 1000:.1f} ms")
+            if found["gpus"] >= 2:
+                report.line("info", "gpu links", f"{host}: {links_text(found['gpus'], found['peer'], found['links'])}")
 
     # -- all-reduce: the gradients' collective, on the training's backend and device --
     collective_ok = p2p_ok or backend != "nccl"
@@ -258,22 +382,9 @@ def main(argv=None):
 
     # -- bandwidth: a few sizes, timed by the slowest rank, as the step waits for it --
     if collective_ok:
-        parts = []
-        for mb in (float(s) for s in args.bandwidth_mb.split(",")):
-            buf = torch.ones(max(1, int(mb * 2**20 / 4)), device=device)
-            dist.all_reduce(buf)  # warm-up: connections and buffers are set up on first use
-            iters = 5
-            dist.barrier(group=facts_group)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                dist.all_reduce(buf)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=facts_group)
-            algbw = buf.numel() * 4 / elapsed.item() / 1e9
-            busbw = algbw * 2 * (world - 1) / world
-            parts.append(f"{mb:g} MB {busbw:.2f} GB/s" if world > 1 else f"{mb:g} MB n/a")
+        sizes = [float(s) for s in args.bandwidth_mb.split(",")]
+        parts = [f"{mb:g} MB {busbw:.2f} GB/s" if world > 1 else f"{mb:g} MB n/a"
+                 for mb, busbw in bus_bandwidth(sizes, device, world, facts_group)]
         note = "" if world > 1 else " (one rank: nothing crosses a link)"
         report.ok("bandwidth", f"all-reduce busbw {', '.join(parts)}{note}")
     else:
@@ -284,16 +395,11 @@ def main(argv=None):
     mine = (shm_need(cfg, device, procs_on_node), shm_free()) if first_on_node else None
     for host, found in ((h, f) for (h, _), f in zip(hosts, gather(mine)) if f is not None):
         (need, how), free = found
-        if need == 0:
-            report.ok("shm", f"{host}: no loader workers ({how}): batches do not pass through {SHM_PATH}")
-        elif free is None:
-            report.line("skip", "shm", f"{host}: no {SHM_PATH} on this system; needs {gb(need)} ({how})")
-        elif need <= free:
-            report.ok("shm", f"{host}: {SHM_PATH} has {gb(free)} free, loaders need {gb(need)} ({how})")
+        tag, text, fix = shm_verdict(host, need, how, free)
+        if tag == "FAIL":
+            report.fail("shm", text, fix)
         else:
-            report.fail("shm", f"{host}: {SHM_PATH} has {gb(free)} free, loaders need {gb(need)} ({how})",
-                        "Docker: docker run --shm-size=8g (or more); else fewer data.num_workers or a smaller "
-                        "train.batch_size")
+            report.line(tag, "shm", text)
 
     # -- env: what the user set, per node (nodes that differ are worth seeing) --
     mine = network_env() if first_on_node else None

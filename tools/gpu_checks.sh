@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Every GPU test and both benchmarks of this repository in one run of at most 9 minutes, on a CUDA machine.
+# Every GPU test, an FSDP training, an fp16 resume, the FSDP memory tool and both benchmarks of this
+# repository in one run of at most 9 minutes, on a CUDA machine.
 #
 #   bash tools/gpu_checks.sh                   # results in runs/gpu_checks/: summary.md and gpu_checks.tgz
 #   OUT=DIR bash tools/gpu_checks.sh           # results in DIR instead
-#   WHEELS=DIR bash tools/gpu_checks.sh        # no package index: the modules python lacks (omegaconf,
-#                                              # tqdm) are installed from the wheels in DIR
+#   WHEELS=DIR bash tools/gpu_checks.sh        # no package index: the modules python lacks (of MODULES
+#                                              # below) are installed from the wheels in DIR
 #   QUICK=1 bash tools/gpu_checks.sh           # rehearsal on a CPU: tiny sizes, same steps
 #   STEPS="test_optim benchmark" bash ...      # only these steps (setup still runs when a module is missing)
 #   TESTS="tests/test_optim.py" bash ...       # these pytest files instead of every file with GPU tests
 #   PYTHON (default python3), WORK (scratch, default /tmp/gpu_checks), TOTAL, GRACE and each L_* below
 #   can be set the same way.
 #
-# The GPU machine (Python 3.12, x86_64; torch, torchvision, PyYAML and tqdm installed; no package index)
-# lacks only omegaconf. Fill the wheel folder once, on a machine with an index, in the repository root
+# The GPU machine (Python 3.12, x86_64; no package index) has every module the steps import (torch,
+# torchvision, numpy, Pillow, PyYAML, tqdm, tensorboard, matplotlib, pytest) but omegaconf. Fill the wheel
+# folder once, on a machine with an index, in the repository root
 # (git-ignored there by: echo /.whl/ >> .git/info/exclude):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d .whl omegaconf==2.4.0
 # omegaconf 2.4.0 is one py3-none-any wheel whose only requirement is PyYAML>=5.1.0, which that machine
@@ -21,8 +23,10 @@
 #   WHEELS=.whl OUT="$OUT" bash tools/gpu_checks.sh
 #
 # Steps, each under its own time limit (LIMITS below), in this order:
-#   setup              only when omegaconf or tqdm is missing: pip install --no-index --no-deps from
-#                      WHEELS into WORK/site (put on PYTHONPATH); if that fails the run stops here
+#   setup              every module the selected steps import (MODULES; pytest only for test steps) is
+#                      looked up first, and a missing one is named at once: without WHEELS in one error
+#                      line; with it, pip install --no-index --no-deps from WHEELS into WORK/site (put on
+#                      PYTHONPATH). If that fails the run stops here
 #   data               benchmark.py --prepare-data: the flower-sized folder the tools read (3,670 JPEGs in
 #                      data/bench_flowers, kept for later runs); made in the background while the tests run
 #   test_<file>        pytest -m gpu, one call per test file with GPU tests, so that one slow file cannot
@@ -31,11 +35,24 @@
 #   ddp_check          tools/ddp_check.py under torchrun, one process per visible GPU (2 gloo processes on
 #                      a CPU): NCCL group, all-reduce, bus bandwidth, /dev/shm, variables; the GPU-pair
 #                      check needs 2 or more GPUs and says skip on one
+#   fsdp_memory        tools/fsdp_memory.py under torchrun, one process per GPU: vit_l_16 under DDP and
+#                      FSDP (peak memory, img/s), then the ladder from vit_h_14 up (vit_l_16 trained
+#                      already; vit_b_16 is smaller) for the largest that trains. Early, so that it gets
+#                      its time; fsdp_memory.json/.md
+#   train_fsdp         train_multi_gpu_fsdp.py with the default config (ResNet34, channels_last, bf16,
+#                      batch 16, 224 px) for 2 epochs of the flower-sized folder, one process per GPU;
+#                      then its metrics.jsonl must hold both epochs
+#   resume_fp16        train.py, 1 epoch on the CPU (a checkpoint with contiguous SGD momentum), then
+#                      resumed on CUDA with train.amp=fp16 (channels_last weights, fused SGD) for a 2nd
+#                      epoch, on demo/flowers.py's images, 8 a class (30 train, 10 val) at 64 px; the
+#                      2nd epoch must take its steps and change the weights (epoch_001.pt against 002)
 #   benchmark          benchmarks/benchmark.py: ResNet34, batch 128, bf16, channels_last, 224 px: ceiling,
 #                      end to end with data.pipeline=pil and gpu, DDP world-size-1 ratio, CPU bare-loop ratio
 #   scaling            benchmarks/scaling.py --pipeline gpu: single / DP / DDP on every visible GPU
 #   benchmark_compile  benchmark.py --compile --skip e2e,ddp,bare: eager and torch.compile ceilings. Last,
 #                      since a cold compile is the longest and least sure part; not run with QUICK=1
+# The training steps end with a line `result: ...` (what they trained, on which device, with which amp):
+# summary.md shows it. With QUICK=1 they run on the CPU at tiny sizes (resnet18, 32 px): the plumbing only.
 # A step that fails or hits its limit leaves what it finished, and the next step still runs. When a step
 # ends, whether by itself, by its limit or by a signal to this script, every process it started ends too
 # (torchrun's workers, a test's setsid'd launcher, DataLoader workers): none is left to slow the next.
@@ -43,7 +60,7 @@
 # OUT gets two files, rewritten after every step and when the script is stopped by a signal: summary.md
 # (per step its result, seconds, limit, what finished and what did not) and gpu_checks.tgz, which holds
 # gpu_checks/ with summary.md, gpu_checks.log (everything printed), logs/<step>.log (each step's output,
-# logs/scaling-<row>.log per scaling row), junit-<file>.xml, benchmark.json/.md,
+# logs/scaling-<row>.log per scaling row), junit-<file>.xml, fsdp_memory.json/.md, benchmark.json/.md,
 # benchmark_compile.json/.md, scaling.json/.md/.png. (A device call returns at most 8 files.) The same
 # files, unpacked, are in WORK/results/gpu_checks; scratch (checkpoints, run folders) stays in WORK.
 set -uo pipefail
@@ -85,8 +102,11 @@ TSV=$WORK/steps.tsv
 # (~790 bf16 TFLOP/s dense; ResNets reach far less, BatchNorm and ReLU being memory-bound): 22 GFLOP an
 # image for forward + backward, 2.8 TFLOP a step, taken as ~20-30 ms a step (~4,000-6,500 img/s).
 # Expected (not limits), in order: setup 3 + tests ~235 (70 + 110 + 20 + 10 + 25) + ddp_check ~15 +
-# benchmark ~130 + scaling ~65 = ~445 s, which leaves benchmark_compile ~95 s of TOTAL; where the GPU runs slower than
-# reasoned, the last steps get less, and summary.md says what they did not finish. A limit bounds a hung
+# fsdp_memory ~55 + train_fsdp ~45 + resume_fp16 ~25 + benchmark ~130 = ~510 s, which leaves scaling ~30 s
+# of its ~65 (summary.md names the rows it did not reach) and benchmark_compile nothing: they run in a call
+# of their own, STEPS="data scaling benchmark_compile" (data, for a fresh machine's flower folder). Where
+# the GPU runs slower than reasoned, the steps before them get less, and summary.md says what they did not
+# finish. A limit bounds a hung
 # step; TOTAL cuts any step's limit to what is left of the whole, so the script ends within TOTAL +
 # GRACE + a few seconds of packing (~560 s), inside a 600 s device call (30 s more only if a process
 # outlives SIGKILL, stuck in the kernel; the runner then leaves it and says so).
@@ -113,6 +133,17 @@ L_OTHER=${L_OTHER:-40}     # any other file with GPU tests, now test_parallel_se
                            # start-up, ResNet34 built on the GPU, SyncBN over 4 samples): ~25 s
 L_DDP_CHECK=${L_DDP_CHECK:-40}  # QUICK=1 (2 gloo processes, load 4): 9 s -> 20; reasoned +20: CUDA and NCCL
                            # start-up per process, the bandwidth sizes (1, 16, 64 MB) in well under 1 s
+L_FSDP_MEMORY=${L_FSDP_MEMORY:-150}  # --quick (mobilenet_v3_small, 2 gloo processes, load ~6): 46 s -> 100;
+                           # reasoned +50 for 6 runs (DDP and FSDP of vit_l_16, vit_h_14, regnet_y_128gf),
+                           # each a model of 0.3-0.65 G parameters built on the CPU (~3-8 s) and 13 AdamW
+                           # steps at batch 32 (<1 s), after ~10 s of start-up: ~40-70 s
+L_TRAIN_FSDP=${L_TRAIN_FSDP:-120}  # QUICK=1 (resnet18, 32 px, 50 images, 2 gloo processes, load 2-6): 36-41 s
+                           # -> 90; reasoned +30: 2 epochs of 184 ResNet34 steps (~20 ms each, launch-bound
+                           # at batch 16) beside 8 decoding workers, eval, pictures and 2 sharded + full
+                           # checkpoints: ~25 s of work after ~15 s of start-up
+L_RESUME_FP16=${L_RESUME_FP16:-150}  # QUICK=1 (3 Python starts: the images, the CPU run, the resume; load
+                           # 2-6): 56-62 s -> 130; reasoned +20: the CPU epoch is ResNet34's 7 steps at 64 px
+                           # (threads on every core there), the CUDA start-up: ~25 s in all
 L_BENCH=${L_BENCH:-200}    # quick sizes: 16-34 s -> 70, a floor only: the rehearsal does none of the
                            # full-size work. Counted from benchmark.py's defaults (50 steps, 5 repeats,
                            # 3 epochs), reasoned on one H200: start-up and CUDA ~10 s; (a) ceiling, warm-up
@@ -265,6 +296,89 @@ if stop == "limit":
 sys.exit(143 if stop == "signal" else rc)
 EOF
 
+# The training steps: run the entry script(s), pass their output through, then check what they wrote and
+# end with one line `result: ...` for summary.md. Exit 1 (with the reason) when a check fails.
+TRAIN_CHECK=$WORK/train_check.py
+cat > "$TRAIN_CHECK" <<'EOF'
+import json, re, shutil, subprocess, sys
+from pathlib import Path
+
+PY = sys.executable
+
+
+def fail(msg):
+    print(f"failed: {msg}", flush=True)
+    sys.exit(1)
+
+
+def run(*cmd):
+    """cmd's output, passed through as it comes; a failed run ends the step."""
+    print("$ " + " ".join(map(str, cmd)), flush=True)
+    proc = subprocess.Popen([*map(str, cmd)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    if proc.wait():
+        fail(f"exit {proc.returncode}: {' '.join(map(str, cmd[:4]))} ...")
+    return "".join(lines)
+
+
+def setup_line(out):
+    """'N process(es) on DEVICE, amp DTYPE' from the run's start-up line."""
+    m = re.search(r"(\d+) process\(es\) on (\S+), lr \S+, amp (\S+)", out)
+    if m is None:
+        fail("no '... process(es) on ..., amp ...' line in the output")
+    return f"{m.group(1)} process(es) on {m.group(2)}, amp {m.group(3).replace('torch.', '')}"
+
+
+def epochs(run_dir, n):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if [r["epoch"] for r in rows] != list(range(1, n + 1)):
+        fail(f"metrics.jsonl holds epochs {[r['epoch'] for r in rows]}, not 1..{n}")
+    return rows
+
+
+def fsdp(run_dir, data, nproc, *extra):
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    out = run(PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+              "train_multi_gpu_fsdp.py", "--data-path", data, "--output-dir", run_dir, "train.epochs=2", *extra)
+    last = epochs(run_dir, 2)[-1]
+    print(f"result: 2 epochs, {last['step']} steps, {setup_line(out)}; val_acc {last['val_acc']:.3f}, "
+          f"{last['img_per_s']:.0f} img/s", flush=True)
+
+
+def resume(work, device, *extra):
+    import torch
+    work = Path(work)
+    run_dir, data = work / "run", work / "data"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run(PY, "demo/flowers.py", data, "--images-per-class", 8)  # kept: nothing written when already there
+    common = ["--data-path", data, "--output-dir", run_dir, "train.keep_last=2", *extra]
+    run(PY, "train.py", "--device", "cpu", *common, "train.epochs=1")
+    out = run(PY, "train.py", "--device", device, *common, "train.epochs=2", "train.amp=fp16", "--resume", "auto")
+    if "resumed from" not in out:
+        fail("the second run did not resume")
+    first, second = epochs(run_dir, 2)
+    steps = second["step"] - first["step"]
+    before, after = (torch.load(run_dir / "checkpoints" / f"epoch_{e:03d}.pt", map_location="cpu",
+                                weights_only=False)["model"] for e in (1, 2))
+    # Weights and biases only: BatchNorm's running statistics move in every forward, stepped or not
+    # (fp16's GradScaler skips the steps whose gradients overflow).
+    params = [k for k in after if k.rsplit(".", 1)[-1] in ("weight", "bias")]
+    if not all(torch.isfinite(after[k]).all() for k in params):
+        fail("the resumed epoch left weights that are not finite")
+    changed = sum(not torch.equal(before[k], after[k]) for k in params)
+    if steps < 1 or changed == 0:
+        fail(f"the resumed epoch took {steps} steps and changed {changed} of {len(params)} parameters")
+    print(f"result: 1 epoch on cpu, resumed with {setup_line(out)}: {steps} steps, {changed} of "
+          f"{len(params)} parameters changed", flush=True)
+
+
+{"fsdp": fsdp, "resume": resume}[sys.argv[1]](*sys.argv[2:])
+EOF
+
 summary() {  # the table from steps.tsv and the steps' own result files -> R/summary.md, stdout
     "$PY" - "$TSV" "$R" "${PLANNED[@]}" > "$R/.summary.md" <<'EOF'
 import json, re, sys, xml.etree.ElementTree as ET
@@ -314,6 +428,25 @@ def bench_detail(name):
     missing += [f"not started: {', '.join(parts['not_started'])}"] if parts["not_started"] else []
     return ", ".join(parts["done"]) or "-", "; ".join(missing) or "-"
 
+def fsdp_memory_detail():
+    try:
+        data = json.loads((out / "fsdp_memory.json").read_text())
+        rows = data["rows"]
+    except (OSError, ValueError, KeyError):
+        return "-", "no fsdp_memory.json"
+    first = [f"{r['wrap']} {r['model']} {r['peak_gib']} GiB {r['img_per_s']} img/s" for r in rows
+             if not r.get("ladder") and "error" not in r]
+    largest = ", ".join(f"{w} {m}" for w, m in data.get("largest", {}).items() if m)
+    fin = ", ".join(first) + (f"; largest that trains: {largest}" if largest else "")
+    bad = [f"{r['wrap']} {r['model']} ({r['error'][:40]})" for r in rows if "error" in r]
+    return fin or "-", ("failed: " + ", ".join(bad)) if bad else "-"
+
+def own_line(name, tag, default):
+    """The step's own last `result: ...` or `failed: ...` line (the training steps print them)."""
+    log = out / "logs" / f"{name}.log"
+    found = re.findall(rf"^{tag}: (.*)$", log.read_text(errors="replace"), re.M) if log.exists() else []
+    return found[-1][:200] if found else default
+
 def scaling_detail():
     try:
         s = json.loads((out / "scaling.json").read_text())
@@ -347,8 +480,12 @@ for line in lines:
         fin, missing = bench_detail(name)
     elif name == "scaling":
         fin, missing = scaling_detail()
+    elif name == "fsdp_memory":
+        fin, missing = fsdp_memory_detail()
+        missing = missing if rc == 0 else "see logs/fsdp_memory.log" + ("; " + missing if missing != "-" else "")
     else:
-        fin, missing = ("done", "-") if rc == 0 else ("-", "see logs/" + name + ".log")
+        fin, missing = ((own_line(name, "result", "done"), "-") if rc == 0 else
+                        ("-", own_line(name, "failed", "see logs/" + name + ".log")))
     if rc in ("skipped", "not started"):
         fin, missing = "-", "no time left of TOTAL" if rc == "skipped" else "-"
     print(f"| {name} | {result} | {secs} | {limit} | {fin} | {missing} |")
@@ -408,7 +545,7 @@ else
 fi
 KNOWN=(setup data)
 for f in "${TEST_FILES[@]}"; do KNOWN+=("$(basename "$f" .py)"); done
-KNOWN+=(ddp_check benchmark scaling benchmark_compile)
+KNOWN+=(ddp_check fsdp_memory train_fsdp resume_fp16 benchmark scaling benchmark_compile)
 DEFAULT_STEPS="${KNOWN[*]}"
 [ -n "$QUICK" ] && DEFAULT_STEPS=${DEFAULT_STEPS% benchmark_compile}  # no compiler run on a CPU rehearsal
 read -ra SEL <<< "${STEPS:-$DEFAULT_STEPS}"
@@ -471,20 +608,36 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 echo "cpu cores: $(nproc), load: $(cut -d' ' -f1-3 /proc/loadavg)${QUICK:+, QUICK=1 (CPU rehearsal, tiny sizes)}"
 echo "steps:${SELECTED% }"
 "$PY" -c pass 2>/dev/null || { echo "error: PYTHON=$PY does not run"; finish 1; }
-missing=$(for m in omegaconf tqdm; do "$PY" -c "import $m" 2>/dev/null || printf '%s ' "$m"; done)
+# What the steps import (the entry scripts: config, data, logging and its pictures; the tools), looked up
+# without importing; pytest only when a test step runs. A module missing here would fail steps later.
+MODULES="torch torchvision numpy PIL yaml omegaconf tqdm tensorboard matplotlib"
+for s in "${SEL[@]}"; do [[ $s == test_* ]] && { MODULES+=" pytest"; break; }; done
+missing=$("$PY" - $MODULES <<'EOF'
+import importlib.util, sys
+
+def found(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+print(" ".join(m for m in sys.argv[1:] if not found(m)))
+EOF
+)
 if [ -n "$missing" ]; then
     if [ -z "$WHEELS" ]; then
-        echo "error: python modules missing: ${missing% }; pip install -r requirements.txt, or WHEELS=<folder of wheels>"
+        echo "error: python modules missing: $missing; pip install -r requirements.txt, or WHEELS=<folder of wheels>"
         finish 1
     fi
     rm -rf "$WORK/site"
+    wheels=$(for m in $missing; do case $m in PIL) echo pillow ;; yaml) echo PyYAML ;; *) echo "$m" ;; esac; done)
     # --no-deps: --target ignores what is installed, so pip would want PyYAML from the folder too.
     step setup "$L_SETUP" bash -c '"$1" -m pip install --no-index --no-deps --find-links "$2" --target "$3" \
-        --no-cache-dir --disable-pip-version-check "${@:4}" && PYTHONPATH=$3${PYTHONPATH:+:$PYTHONPATH} "$1" -c \
+        --no-cache-dir --disable-pip-version-check $4 && PYTHONPATH=$3${PYTHONPATH:+:$PYTHONPATH} "$1" -c \
         "import importlib, sys; [print(m, \"from\", importlib.import_module(m).__file__) for m in sys.argv[1:]]" \
-        "${@:4}"' setup "$PY" "$WHEELS" "$WORK/site" $missing
+        $5' setup "$PY" "$WHEELS" "$WORK/site" "$(echo $wheels)" "$missing"
     if [ "$STEP_RC" != 0 ]; then
-        echo "error: setup could not install ${missing% } from WHEELS=$WHEELS (logs/setup.log above)"
+        echo "error: setup could not install $missing from WHEELS=$WHEELS (logs/setup.log above)"
         finish 1
     fi
     export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
@@ -493,8 +646,16 @@ fi
 report
 
 Q= COMPILE=--compile
+FLOWERS=$REPO/data/bench_flowers  # where the data step puts the folder (benchmark.py's flower_folder)
+SMALL=()        # train_fsdp: the config's sizes on a GPU
+RESUME_SIZES=(data.img_size=64 data.val_resize=73)  # resume_fp16's 40 demo images, a CPU epoch in seconds
+RESUME_DEVICE=cuda
 if [ -n "$QUICK" ]; then
     Q=--quick COMPILE=
+    FLOWERS=$WORK/bench/data/tiny_flowers
+    SMALL=(model.name=resnet18 data.img_size=32 data.val_resize=36)
+    RESUME_SIZES=("${SMALL[@]}")
+    RESUME_DEVICE=cpu
     # The rehearsal runs test_cuda_scripts.py's trainings on the CPU (its own switch); other GPU tests skip.
     export CUDA_SCRIPTS_DEVICE=${CUDA_SCRIPTS_DEVICE:-cpu}
     # One thread per process: on a shared CPU, torch's spinning threads make any other load a many-fold
@@ -523,7 +684,7 @@ for f in "${TEST_FILES[@]}"; do
     step "$name" "${LIMIT[$name]:-$L_OTHER}" "${PYTEST[@]}" --junitxml="$R/junit-${name#test_}.xml" "$f"
 done
 
-# -- the two tools ------------------------------------------------------------------------------------
+# -- the tools, the trainings, then the benchmarks ----------------------------------------------------
 if [ -n "$DATA_PID" ]; then
     wait "$DATA_PID"
     DATA_PID=
@@ -536,24 +697,17 @@ fi
 NPROC=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
 wanted ddp_check && step ddp_check "$L_DDP_CHECK" "$PY" -m torch.distributed.run --standalone \
     --nproc_per_node="$NPROC" tools/ddp_check.py
+wanted fsdp_memory && step fsdp_memory "$L_FSDP_MEMORY" "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node="$NPROC" tools/fsdp_memory.py $Q --ladder vit_h_14,regnet_y_128gf --out-dir "$R"
+wanted train_fsdp && step train_fsdp "$L_TRAIN_FSDP" "$PY" "$TRAIN_CHECK" fsdp "$WORK/train_fsdp" "$FLOWERS" \
+    "$NPROC" ${SMALL[@]+"${SMALL[@]}"}
+wanted resume_fp16 && step resume_fp16 "$L_RESUME_FP16" "$PY" "$TRAIN_CHECK" resume "$WORK/resume_fp16" \
+    "$RESUME_DEVICE" "${RESUME_SIZES[@]}" train.batch_size=4
 wanted benchmark && step benchmark "$L_BENCH" "$PY" benchmarks/benchmark.py $Q --out-dir "$WORK/bench"
 wanted scaling && step scaling "$L_SCALING" "$PY" benchmarks/scaling.py $Q --pipeline gpu --timeout "$ROW_LIMIT" \
     --out-dir "$WORK/scaling"
 wanted benchmark_compile && step benchmark_compile "$L_COMPILE" "$PY" benchmarks/benchmark.py $Q $COMPILE \
     --skip e2e,ddp,bare --out-dir "$WORK/bench_compile"
-
-# -- FSDP vs DDP memory, after the step list's last step, on whatever TOTAL leaves --------------------
-# tools/fsdp_memory.py on every visible GPU: vit_l_16, 224 px, batch 32 per GPU, AdamW, bf16: peak memory
-# per GPU and img/s under DDP and FSDP, then the largest of vit_b_16 < vit_l_16 < vit_h_14 <
-# regnet_y_128gf that trains either way; results in R/fsdp_memory.{json,md}. Not rehearsed at full size
-# (no GPU has run it): its limit is reasoned, 4 wrappings x (a start-up, build, 13 steps) plus the
-# ladder's up to 8 more, ~10-20 s each. Runs in a full run (STEPS unset, with QUICK at tiny sizes) or
-# with FSDP_MEMORY=1; FSDP_MEMORY=0 skips it.
-L_FSDP_MEMORY=${L_FSDP_MEMORY:-200}
-if [ "${FSDP_MEMORY:-$([ -z "${STEPS:-}" ] && echo 1)}" = 1 ]; then
-    step fsdp_memory "$L_FSDP_MEMORY" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
-        tools/fsdp_memory.py $Q --out-dir "$R"
-fi
 
 # -- results ------------------------------------------------------------------------------------------
 echo

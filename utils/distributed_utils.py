@@ -6,6 +6,7 @@ every rank calls every collective; only the side effects (files, prints, bars) a
 """
 import contextlib
 import datetime
+import gc
 import inspect
 import os
 import sys
@@ -356,5 +357,21 @@ def broadcast_object(obj, src=0):
 
 
 def cleanup():
-    if is_dist_avail_and_initialized():
-        dist.destroy_process_group()
+    """Destroy the process group, so that gloo's worker threads end while the interpreter is alive.
+
+    The threads end only when the group object is freed. One still running at exit that drops a
+    collective's tensor takes the GIL during finalization and aborts the process ("terminate called
+    without an active exception"). FSDP2 models sit in reference cycles, and DTensor's caches keep
+    their device meshes, which hold the group: collect the cycles, then let go of the meshes' groups
+    (eager DTensor looks groups up by name; the mesh's copy serves torch.compile's tracing only).
+    """
+    if not is_dist_avail_and_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    mesh_type = getattr(mesh_module, "DeviceMesh", None)
+    if isinstance(mesh_type, type):
+        for obj in gc.get_objects():
+            if mesh_type in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
+                obj._pg_registry.clear()

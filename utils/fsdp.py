@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from utils.distributed_utils import broadcast_buffers, broadcast_object
 from utils.errors import RUNTIME_EXIT, UserError
+from utils.optim import resolve_amp
 
 try:  # torch >= 2.6; 2.4 and 2.5 had it under _composable
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -46,6 +47,8 @@ except ImportError:  # pragma: no cover - depends on the torch version
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 # On torch 2.4 and 2.5 FSDP2 uses CUDA streams even for CPU tensors.
 CPU_FSDP_TORCH = (2, 6)
+# fully_shard([a, b]): one group of several modules, from torch 2.5 on; 2.4 gives each BatchNorm its own.
+GROUP_LISTS = TORCH_VERSION >= (2, 5)
 
 
 def check_config(cfg, device):
@@ -63,10 +66,15 @@ def check_config(cfg, device):
     if cfg.train.ema_decay:
         refuse("train.ema_decay is not supported: the average would be a second, unsharded copy of the "
                "model on every GPU; set train.ema_decay=0 or train with train_multi_gpu_ddp.py")
-    if cfg.train.amp == "fp16" or (cfg.train.amp == "auto" and device.type == "cuda"
-                                   and not torch.cuda.is_bf16_supported()):
-        refuse("train.amp=fp16 (auto on a GPU without bf16) is not supported: fp16 needs a loss scaler "
-               "for sharded gradients; set train.amp=bf16 or off")
+    if cfg.train.amp == "fp16":
+        refuse("train.amp=fp16 is not supported: fp16 needs a loss scaler for sharded gradients; "
+               "set train.amp=bf16 or off")
+    # The loop's own choice (resolve_amp: native bf16 only), so what passes here is what trains.
+    if resolve_amp(cfg.train.amp, device) is torch.float16:
+        major, minor = torch.cuda.get_device_capability(device)
+        refuse(f"train.amp=auto means fp16 on this GPU ({torch.cuda.get_device_name(device)}, compute capability "
+               f"{major}.{minor}: no native bf16), and fp16 needs a loss scaler for sharded gradients; "
+               "set train.amp=off (fp32), or train.amp=bf16 (emulated)")
 
 
 # --------------------------------------------------------------------------- blocks
@@ -152,9 +160,9 @@ def make_mesh(device, world_size):
 
 
 def _policies(amp_dtype):
-    """(blocks' policy, the root's, each BatchNorm's) for autocast's dtype; None for fp32.
-    bf16: parameters gathered in bf16, gradients reduced in fp32. BatchNorm keeps fp32 weights in a
-    group of its own (with bf16 weights it fails: "expected scalar type BFloat16 but found Float")."""
+    """(blocks' policy, the root's, the BatchNorms') for autocast's dtype; None for fp32.
+    bf16: parameters gathered in bf16, gradients reduced in fp32. BatchNorm keeps fp32 weights in
+    groups of their own (with bf16 weights it fails: "expected scalar type BFloat16 but found Float")."""
     if amp_dtype is None:
         return None, None, None
     block = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
@@ -171,15 +179,33 @@ def _broadcast_state(model):
         dist.broadcast(tensor, 0)
 
 
+def _norm_groups(model, blocks):
+    """The BatchNorms with weights, as fp32 groups: one per block and one for the root's, so bf16
+    adds one group (its gathers and its reduction) per block, not per BatchNorm (ResNet34: 10 groups
+    in all, not 41)."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)]
+    if not GROUP_LISTS:
+        return [[m] for m in norms]
+    ids = {id(m) for m in norms}
+    inside = [[m for m in block.modules() if id(m) in ids] for _, block in blocks]
+    taken = {id(m) for group in inside for m in group}
+    return [group for group in inside + [[m for m in norms if id(m) not in taken]] if group]
+
+
 def shard_model(model, mesh, amp_dtype=None, names=(), verbose=True):
     """fully_shard each block, then the root (which takes what is left: stem, head). Every rank calls."""
+    # FSDP2 shards contiguous parameters only (each becomes rows of one flat buffer), so a channels_last
+    # model (build_model on CUDA) goes back to NCHW weights. Its channels_last inputs still get NHWC
+    # convolutions: cuDNN (and oneDNN) choose NHWC when the input or the weight is NHWC.
+    if not all(p.is_contiguous() for p in model.parameters()):
+        model.to(memory_format=torch.contiguous_format)
     _broadcast_state(model)
     block_mp, root_mp, norm_mp = _policies(amp_dtype)
     kwargs = lambda mp: {"mesh": mesh, **({"mp_policy": mp} if mp is not None else {})}  # noqa: E731
-    if norm_mp is not None:
-        for norm in [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
-            fully_shard(norm, **kwargs(norm_mp))
     blocks = find_blocks(model, names)
+    if norm_mp is not None:
+        for group in _norm_groups(model, blocks):
+            fully_shard(group if len(group) > 1 else group[0], **kwargs(norm_mp))
     for _, block in blocks:
         fully_shard(block, **kwargs(block_mp))
     fully_shard(model, **kwargs(root_mp))

@@ -162,7 +162,8 @@ def resolve_amp(amp, device):
 
 def _native_bf16():
     """bf16 in hardware (Ampere and later). Since torch 2.3 is_bf16_supported() also counts
-    emulation, which makes V100 and T4 slow; they get fp16 with loss scaling instead."""
+    emulation, which makes V100 and T4 slow; they get fp16 with loss scaling instead (which
+    utils/fsdp.check_config refuses: FSDP's sharded gradients have no loss scaler)."""
     if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.cuda.is_bf16_supported()
