@@ -39,13 +39,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
+from model import use_channels_last
 from utils.config import config_to_dict, load_config
 from utils.decoding import BadImage, DraftRandomResizedCrop, DraftResize, load_image, load_rgb
-from utils.distributed_utils import (broadcast_object, gather_objects, get_rank, is_main_process,
-                                     use_channels_last)
+from utils.distributed_utils import broadcast_object, gather_objects, get_rank, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
 from utils.loader import PREFETCH_FACTOR, PersistentLoader, collate, reseed_worker
+from utils.normalization import normalize
 from utils.sample_list import BadStatus, SampleList, verify_images
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -169,11 +170,15 @@ def build_transforms(img_size, val_resize, min_crop_scale=0.08):
 
 class NormalizeOnDevice(transforms.Normalize):
     """torchvision's Normalize, done later: a uint8 tensor passes unchanged, and the training loop
-    normalises whole batches on the device with this mean and std (engine.normalization finds them).
-    A float tensor (values 0..1, as ToTensor gives) is normalised here, as by Normalize."""
+    normalises whole batches on the device with this mean and std (utils/normalization.py). A float
+    tensor (values 0..1, as ToTensor gives) is normalised here, by the same formula."""
 
     def forward(self, tensor):
-        return tensor if tensor.dtype == torch.uint8 else super().forward(tensor)
+        if tensor.dtype == torch.uint8:
+            return tensor
+        mean, std = (torch.as_tensor(v, dtype=tensor.dtype, device=tensor.device).view(-1, 1, 1)
+                     for v in (self.mean, self.std))
+        return normalize(tensor, mean, std, scale=1)
 
 
 def trained_data_config(config):

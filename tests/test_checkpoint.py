@@ -226,8 +226,8 @@ def test_an_fp16_run_resumes_a_checkpoint_that_has_no_scaler_state(small_run):
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, 10)
     scaler = torch.amp.GradScaler("cpu", enabled=True)  # what build_scaler(torch.float16, ...) gives on CUDA
-    epoch, step, _ = ckpt.restore(state, model, optimizer, scheduler, scaler, state["classes"], "resnet18")
-    assert (epoch, step) == (state["epoch"], state["global_step"])
+    restored = ckpt.restore(state, model, optimizer, scheduler, scaler, state["classes"], "resnet18")
+    assert (restored.epoch, restored.global_step) == (state["epoch"], state["global_step"])
     assert scaler.is_enabled() and scaler.get_scale() == 2.0 ** 16  # a fresh loss scale
 
 

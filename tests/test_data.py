@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-import engine
 from conftest import REPO, make_image_folder
 from data import build_datasets, build_transforms, split_dataset
+from utils import normalization
 from utils.config import load_config
 
 
@@ -161,7 +161,7 @@ def test_transforms_give_square_crops_of_img_size(size):
     assert val.shape == (3, 48, 48) and val.dtype == torch.uint8
     # Normalized with the ImageNet statistics on the device: a pure colour maps to (c/255 - mean) / std.
     cpu = torch.device("cpu")
-    val = engine.model_input(val[None], cpu, engine.input_normalization(val_tf, cpu))[0]
+    val = normalization.model_input(val[None], cpu, normalization.normalization_of(val_tf, cpu))[0]
     expected = (torch.tensor([200, 30, 30]) / 255 - torch.tensor([0.485, 0.456, 0.406])) \
         / torch.tensor([0.229, 0.224, 0.225])
     assert torch.allclose(val[:, 24, 24], expected, atol=1e-5)

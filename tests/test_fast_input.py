@@ -23,10 +23,9 @@ from PIL import Image
 from torchvision import transforms as T
 
 import data
-import engine
 from conftest import make_image_folder
 from test_gpu_pipeline import box_features, ks_statistic
-from utils import decoding, figures
+from utils import decoding, figures, normalization
 from utils.config import load_config
 from utils.samplers import ShardSampler
 
@@ -53,11 +52,11 @@ def loaders(root, *extra):
 def test_validation_pixels_equal_torchvisions(tmp_path, channels_last):
     root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
     _, val_set, val = loaders(root)
-    norm = engine.input_normalization(val.dataset, CPU)
+    norm = normalization.normalization_of(val.dataset, CPU)
     got, raw = [], []
     for images, _ in val:
         raw.append(images)
-        got.append(engine.model_input(images, CPU, norm, channels_last))
+        got.append(normalization.model_input(images, CPU, norm, channels_last))
     assert all(x.dtype == torch.uint8 for x in raw)  # what the workers pass: a quarter of float32's bytes
     assert all(x.is_contiguous(memory_format=torch.channels_last) for x in raw)  # utils.loader.collate: a plain copy
     got = torch.cat(got)
@@ -77,7 +76,7 @@ def test_train_pixels_are_torchvisions_crop_and_flip_within_one_level(tmp_path):
     ours = torch.stack([train_set[i][0] for i in range(len(train_set))])
     torch.manual_seed(0)
     theirs = torch.stack([ref_train(decoding.load_rgb(path)) for path, _ in train_set.samples])
-    ours = engine.model_input(ours, CPU, engine.input_normalization(train_set, CPU))
+    ours = normalization.model_input(ours, CPU, normalization.normalization_of(train_set, CPU))
     one_level = 1 / 255 / min(STD) + 1e-5
     assert (ours - theirs).abs().max() <= one_level
     assert (ours - theirs).abs().mean() < 0.1 * one_level  # mostly equal, not just close
@@ -102,7 +101,7 @@ def test_a_float_only_transform_after_convert_image_dtype_sees_floats_and_the_mo
         train_set.transform = tf
         torch.manual_seed(0)
         images = torch.stack([train_set[i][0] for i in range(len(train_set))])
-        batches[name] = engine.model_input(images, CPU, engine.input_normalization(train_set, CPU))
+        batches[name] = normalization.model_input(images, CPU, normalization.normalization_of(train_set, CPU))
     assert len(seen) == len(train_set)
     assert torch.allclose(batches["uint8"], batches["float"], atol=1e-5)
 
@@ -113,10 +112,10 @@ def test_the_pictures_show_the_pixels_the_model_sees(tmp_path):
     root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
     _, val_set, _ = loaders(root)
     pixels = torch.stack([val_set[i][0] for i in range(4)])
-    normalised = engine.model_input(pixels, CPU, engine.input_normalization(val_set, CPU))
-    shown = figures.denormalize(normalised, *engine.normalization(val_set))  # sample_picture's way
+    normalised = normalization.model_input(pixels, CPU, normalization.normalization_of(val_set, CPU))
+    shown = figures.denormalize(normalised, *normalization.mean_std(val_set))  # sample_picture's way
     assert torch.allclose(shown, pixels / 255, atol=1e-6)
-    assert torch.equal(figures.denormalize(pixels, *engine.normalization(val_set)), pixels / 255)  # worst_picture's
+    assert torch.equal(figures.denormalize(pixels, *normalization.mean_std(val_set)), pixels / 255)  # worst_picture's
 
 
 # --------------------------------------------------------------------------- large JPEGs decoded small

@@ -18,12 +18,11 @@ from torchvision.transforms import functional as TF
 from torchvision import transforms as T
 
 import data
-import engine
 import train as train_script
 from conftest import FAST_ARGS, make_image_folder, run_entry
 from data import build_datasets, make_loader
 from torch.utils.data import DataLoader
-from utils import gpu_pipeline
+from utils import gpu_pipeline, normalization
 from utils.config import load_config
 from utils.decoding import DraftRandomResizedCrop, DraftResize
 from utils.distributed_utils import resolve_device
@@ -131,7 +130,7 @@ def _loaders(cfg, device=torch.device("cpu")):
 
 def test_validation_matches_pil_path_on_same_weights(tmp_path):
     """Same weights, PIL vs gpu val loader: the same logits, so the same accuracy. The PIL loader's uint8
-    batches go through the loop's own device pass (engine.model_input); the gpu loader's are float already."""
+    batches go through the loop's own device pass (normalization.model_input); the gpu loader's are float already."""
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     torch.manual_seed(0)
     from model import create_model
@@ -140,9 +139,9 @@ def test_validation_matches_pil_path_on_same_weights(tmp_path):
     cpu = torch.device("cpu")
     for pipe in ("pil", "gpu"):
         _, val = _loaders(_cfg(root, f"data.pipeline={pipe}"))
-        norm = engine.input_normalization(val.dataset, cpu)
+        norm = normalization.normalization_of(val.dataset, cpu)
         with torch.no_grad():
-            logits, labels = zip(*[(model(engine.model_input(x, cpu, norm)), y) for x, y in val])
+            logits, labels = zip(*[(model(normalization.model_input(x, cpu, norm)), y) for x, y in val])
         outs[pipe] = torch.cat(logits), torch.cat(labels)
     assert torch.equal(outs["pil"][1], outs["gpu"][1])
     assert len(outs["gpu"][1]) == 20  # every val image exactly once (ShardSampler, no padding)
@@ -511,10 +510,10 @@ def test_per_batch_decoding_falls_back_per_image_for_what_is_not_a_plain_jpeg(tm
     assert "warning: skipping unreadable image: cannot decode" in capsys.readouterr().err
     dataset.bad_status.zero_()  # the PIL path meets the truncated file afresh
     pil = DataLoader(dataset, 4, sampler=ShardSampler(dataset))
-    norm = engine.input_normalization(dataset, cpu)  # the PIL path's uint8 batches, as the loop normalises them
+    norm = normalization.normalization_of(dataset, cpu)  # the PIL path's uint8 batches, as the loop normalises them
     for (x, y), (xp, yp) in zip(got, pil):
         assert torch.equal(y, yp)  # the truncated file's slot: the same substitute
-        xp = engine.model_input(xp, cpu, norm)
+        xp = normalization.model_input(xp, cpu, norm)
         assert (x - xp).abs().max() < 0.1, (x - xp).abs().max()  # a level or two of uint8 rounding
     assert sum(len(y) for _, y in got) == 19
 

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fixture
 from utils.config import load_config
-from engine import Criterion, EpochHooks, Step, train_one_epoch
+from engine import Criterion, EpochHooks, Step, class_weights, train_one_epoch
 from utils.errors import UserError
-from utils.optim import (AutocastForward, WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler,
-                         class_weights, load_optimizer_state, resolve_amp)
+from train_multi_gpu_dp import AutocastForward
+from utils.mixing import batch_mixer
+from utils.optim import WeightEMA, build_optimizer, build_scaler, build_scheduler, load_optimizer_state, resolve_amp
 from utils.run_logger import RunLogger
 
 CPU = torch.device("cpu")
@@ -288,10 +289,10 @@ def test_label_smoothing_matches_cross_entropy(smoothing):
     expected = torch.nn.functional.cross_entropy(model(data[0][0]), data[0][1], label_smoothing=smoothing)
     model.train = lambda mode=True: model  # keep eval mode inside the loop (no batch statistics)
     out, _, _ = one_epoch(model, data, label_smoothing=smoothing)
-    assert out["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert out.metrics["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
     if smoothing:
         plain = torch.nn.functional.cross_entropy(small_net().eval()(data[0][0]), data[0][1])
-        assert abs(out["train_loss"] - plain.item()) > 1e-3  # the smoothing did change the loss
+        assert abs(out.metrics["train_loss"] - plain.item()) > 1e-3  # the smoothing did change the loss
 
 
 def grad_norm(params):
@@ -350,8 +351,8 @@ def test_auto_class_weights_are_inverse_frequency_and_weight_the_loss():
     expected = (w * nll).sum() / w.sum()  # torch's weighted mean: sum_i w_yi * nll_i / sum_i w_yi
     model.train = lambda mode=True: model
     out, _, _ = one_epoch(model, data, class_weight=weights)
-    assert out["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
-    assert abs(out["train_loss"] - nll.mean().item()) > 1e-2  # the weights did change the loss
+    assert out.metrics["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert abs(out.metrics["train_loss"] - nll.mean().item()) > 1e-2  # the weights did change the loss
     assert class_weights([1, 2.5, 3], labels, 3, CPU).tolist() == [1.0, 2.5, 3.0]
     assert class_weights("none", labels, 3, CPU) is None
     with pytest.raises(UserError, match="has 3 weights, the data has 4 classes"):
@@ -374,8 +375,8 @@ def test_mixup_and_cutmix_train_on_soft_targets(mixup, cutmix):
     model.train = lambda mode=True: model
     torch.manual_seed(5)  # the loop draws from the global generator, as the per-epoch seeding sets it
     out, _, _ = one_epoch(model, data, mix=batch_mixer(mixup, cutmix, 3))
-    assert out["train_loss"] == pytest.approx(expected, rel=1e-6)
-    assert abs(out["train_loss"] - plain) > 1e-3
+    assert out.metrics["train_loss"] == pytest.approx(expected, rel=1e-6)
+    assert abs(out.metrics["train_loss"] - plain) > 1e-3
     assert batch_mixer(0.0, 0.0, 3) is None
 
 
@@ -390,7 +391,7 @@ def test_ema_equals_a_hand_computed_average_of_the_weights(accum):
     opt = build_optimizer(model, optim_cfg(lr=0.1))
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 6 // accum)
     out = run_epoch(model, loader, opt, sched, ema=ema, accum_steps=accum)
-    assert out["global_step"] == 6 // accum
+    assert out.global_step == 6 // accum
     weights = loader.marks[::accum] + [{k: v.double() for k, v in model.state_dict().items()}]
     hand = copy.deepcopy(weights[0])
     for w in weights[1:]:
@@ -416,7 +417,7 @@ def test_accumulation_trains_whole_steps_and_leaves_a_short_tail_out():
     steps = []
     opt.register_step_post_hook(lambda *a: steps.append(1))
     out = run_epoch(model, loader, opt, sched, accum_steps=2)
-    assert (len(steps), out["global_step"], len(loader.marks)) == (2, 2, 4)
+    assert (len(steps), out.global_step, len(loader.marks)) == (2, 2, 4)
     assert sched.last_epoch == 2  # the schedule counts optimizer steps
 
 

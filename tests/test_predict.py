@@ -13,11 +13,11 @@ import pytest
 import torch
 import yaml
 
-import engine
 import predict
 from conftest import checkpoint_with_sizes, run_entry
 from data import ImageList, build_transforms
 from model import create_model
+from utils import normalization
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_top1_equals_the_evaluated_models_argmax(trained_run, tmp_path):
     images = ImageList([(r["path"], 0) for r in rows], val_tf)
     batch = torch.stack([images[i][0] for i in range(len(rows))])  # uint8: normalised as the loop does
     cpu = torch.device("cpu")
-    batch = engine.model_input(batch, cpu, engine.input_normalization(images, cpu))
+    batch = normalization.model_input(batch, cpu, normalization.normalization_of(images, cpu))
     with torch.no_grad():
         logits = model.eval()(batch)
     assert [r["class1"] for r in rows] == [state["classes"][i] for i in logits.argmax(1).tolist()]

@@ -23,6 +23,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import functional as TF
 
 from utils.errors import UserError
+from utils.normalization import normalization_of, normalize
 
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 DEVICE_TRAIN_STEPS = "RandomResizedCrop, RandomHorizontalFlip, PILToTensor or ToTensor, and Normalize"
@@ -186,15 +187,6 @@ def crop_theta(boxes, flip, heights, widths):
     return theta.float()
 
 
-def normalize(pixels, mean, std, channels_last=False):
-    """NCHW pixels in 0..255 (uint8, or float after the crop) -> normalised float32: the same ops as
-    ToTensor + Normalize, so the same numbers. channels_last: the first op writes that layout, which
-    saves the separate full-batch copy a conversion afterwards would make."""
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device, memory_format=layout)
-    return torch.div(pixels, 255, out=out).sub_(mean).div_(std)
-
-
 def _chw_uint8(img):
     """RGB PIL image -> uint8 CHW tensor, with memory of its own (not PIL's buffer)."""
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
@@ -314,9 +306,7 @@ class GpuLoader:
                                        procs_per_node)
         if refusal and data_cfg.gpu_decode == "once":
             raise UserError(refusal + CACHE_HINT)
-        # Normalize's (mean, std) as (1, 3, 1, 1) float32 on the device, for normalize().
-        self.mean, self.std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, 3, 1, 1)
-                               for v in (norm.mean, norm.std))
+        self.mean, self.std = normalization_of(norm, device)  # Normalize's, on the device, for normalize()
         self.jpeg = None
         if data_cfg.gpu_decode == "per_batch" or refusal:
             # A set too large to cache: the workers read file bytes, each batch is decoded here.
