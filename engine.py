@@ -16,6 +16,7 @@ and read once per `train.log_every` steps, where a NaN/inf is also caught.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -23,24 +24,25 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from model import use_channels_last
 from utils import checkpoint as ckpt
 from utils.cli import OUT_OF_MEMORY, out_of_memory
 from utils.config import config_to_dict
-from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects,
-                                     no_sync, reduce_min, reduce_sums, use_channels_last)
+from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync, reduce_min,
+                                     reduce_sums)
 from utils.errors import RUNTIME_EXIT, UserError
-from utils import fsdp
-from utils.gpu_pipeline import normalize
-from utils.optim import (WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler, class_weights,
-                         place_schedule, resolve_amp)
-from utils.run_logger import RunLogger
+from utils import figures, fsdp
+from utils.normalization import model_input, normalization_of
+from utils.mixing import batch_mixer
+from utils.optim import (WeightEMA, build_optimizer, build_scaler, build_scheduler, place_schedule,
+                         resolve_amp)
+from utils.run_logger import RunLogger, check_run_dir, check_writable, resolve_run_dir
 from utils.stop import StopRequest
 
 _NO_BAD_STEP = 2 ** 62
@@ -51,31 +53,60 @@ DATA_WAIT_HINT = 0.2
 
 # --------------------------------------------------------------------------- the loss and the metrics
 
+@dataclass(eq=False)
 class Criterion:
     """The loss, in one place: training calls criterion(logits, targets) for the batch's mean loss
-    (optim.label_smoothing, optim.class_weights; targets are class indices, or MixUp/CutMix's soft
-    targets, one row of class probabilities per image). Evaluation calls criterion.per_image(logits,
-    labels): each image's plain loss (no smoothing, no weights), for val_loss and the worst mistakes.
+    (targets are class indices, or MixUp/CutMix's soft targets, one row of class probabilities per
+    image). Evaluation calls criterion.per_image(logits, labels): each image's plain loss (no
+    smoothing, no weights), for val_loss and the worst mistakes.
 
-    To train with another loss, change `loss`: both calls go through it."""
-
-    def __init__(self, label_smoothing=0.0, class_weight=None):
-        self.label_smoothing, self.class_weight = label_smoothing, class_weight
+    To train with another loss, change `loss`: both calls go through it. Its options are the fields
+    below, and a field named as an optim.* key takes that key's value (build_criterion): a focal loss's
+    gamma is one field here and one key in configs/default.yaml and utils/config.py."""
+    label_smoothing: float = 0.0                 # optim.label_smoothing
+    class_weight: Optional[torch.Tensor] = None  # optim.class_weights, one weight per class (class_weights)
 
     def __call__(self, logits, targets):
-        return self.loss(logits, targets, self.label_smoothing, self.class_weight, reduction="mean")
+        return self.loss(logits, targets, reduction="mean")
 
     def per_image(self, logits, labels):
-        return self.loss(logits.float(), labels, 0.0, None, reduction="none")
+        plain = dataclasses.replace(self, label_smoothing=0.0, class_weight=None)
+        return plain.loss(logits.float(), labels, reduction="none")
 
-    @staticmethod
-    def loss(logits, targets, label_smoothing, weight, reduction):
-        return F.cross_entropy(logits, targets, weight=weight, label_smoothing=label_smoothing, reduction=reduction)
+    def loss(self, logits, targets, reduction):
+        """The batch's mean loss (reduction="mean") or each image's ("none")."""
+        return F.cross_entropy(logits, targets, weight=self.class_weight, label_smoothing=self.label_smoothing,
+                               reduction=reduction)
 
 
 def build_criterion(optim_cfg, class_weight=None):
-    """The config's loss: optim.label_smoothing and the class weights (utils.optim.class_weights)."""
-    return Criterion(optim_cfg.label_smoothing, class_weight)
+    """The config's loss: each Criterion field named as an optim.* key gets that key's value, and the
+    class weights (class_weights)."""
+    options = {f.name: getattr(optim_cfg, f.name) for f in dataclasses.fields(Criterion) if f.name in optim_cfg}
+    return Criterion(**options, class_weight=class_weight)
+
+
+def class_weights(spec, labels, num_classes, device):
+    """optim.class_weights -> a (num_classes,) loss weight tensor on `device`, or None for "none".
+    `labels`: the training set's label per sample (its .targets), or None if it has none.
+
+    auto: w_c = N / (C * n_c), inverse frequency over the training labels, so a class of the
+    average size weighs 1 and every class contributes equally to the expected loss.
+    """
+    if spec == "none":
+        return None
+    if spec == "auto":
+        if labels is None:
+            raise UserError("optim.class_weights=auto needs the training labels: the dataset has no .targets",
+                            every_rank=True)
+        counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes).double()
+        weights = counts.sum() / (num_classes * counts.clamp(min=1))
+    else:
+        if len(spec) != num_classes:
+            raise UserError(f"optim.class_weights has {len(spec)} weights, the data has {num_classes} classes",
+                            every_rank=True)
+        weights = torch.tensor([float(w) for w in spec], dtype=torch.float64)
+    return weights.float().to(device)
 
 
 def sample_metrics(num_classes):
@@ -94,25 +125,6 @@ def seed_for(seed, epoch, rank):
     """One seed per (run seed, epoch, rank): augmentation and data order are reproducible
     per epoch, so a run resumed at an epoch boundary continues exactly."""
     return (seed * 1_000_003 + epoch * 1009 + rank) % (2 ** 63)
-
-
-def input_normalization(dataset, device):
-    """(mean, std) as (1, C, 1, 1) float32 on `device`, for the uint8 batches of `dataset` (or of a
-    transform): its NormalizeOnDevice's, or (0, 1) where it has none, ToTensor's /255 alone. Once a pass."""
-    mean, std = normalization(dataset)
-    return tuple(torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1).to(device, non_blocking=True)
-                 for v in (mean or (0.0,), std or (1.0,)))
-
-
-def model_input(images, device, norm, channels_last=False):
-    """A loader's images -> the model's input on `device`. uint8 images (data.py's transforms) become
-    float, normalised with `norm` (input_normalization) and channels_last there, in one pass, with no
-    host sync; float images were normalised by their transform and are moved as they are."""
-    # non_blocking pairs with pin_memory: the copy overlaps with queued GPU work.
-    images = images.to(device, non_blocking=True)
-    if images.dtype == torch.uint8:
-        return normalize(images, *norm, channels_last=channels_last)
-    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
 
 
 def _to_device(images, labels, device, channels_last, norm):
@@ -180,11 +192,11 @@ def _unused_parameters_error(e, model):
                      exit_code=RUNTIME_EXIT, every_rank=True)
 
 
-def _optimizer_step(step, window, clipped):
-    """Clip `clipped` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
+def _optimizer_step(step, window, params_to_clip):
+    """Clip the gradients of `params_to_clip` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
     if step.clip_grad_norm:
         step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the loss-scaled ones
-        norm = torch.nn.utils.clip_grad_norm_(clipped, step.clip_grad_norm)  # no host sync
+        norm = torch.nn.utils.clip_grad_norm_(params_to_clip, step.clip_grad_norm)  # no host sync
         # FSDP: a replicated DTensor (its shards' norms combined, in another order than DDP's sum).
         window.add_norm((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double())
     step.scaler.step(step.optimizer)
@@ -225,7 +237,7 @@ class _Window:
         return reduce_sums({**self.sums, "stop": flag, "waited": self.sums["loss"].new_tensor(waited)})
 
 
-class _Waits:
+class _TimedBatches:
     """The loader's batches, timed on the host: the seconds the loop spent waiting for the next one
     (no device sync; on CUDA the steps run ahead of the host until a window's end reads them), and
     the epoch's record of them, window by window."""
@@ -244,8 +256,8 @@ class _Waits:
             self.seconds += time.perf_counter() - asked
             yield batch
 
-    def take(self):
-        """The seconds waited since the last take."""
+    def pop_wait(self):
+        """The seconds waited since the last pop_wait: the window's, then counted afresh."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
@@ -254,7 +266,8 @@ class _Waits:
         self.shares.append(wait / seconds)
         self.waited, self.windows_seconds = self.waited + wait, self.windows_seconds + seconds
 
-    def share(self):
+    def wait_share(self):
+        """The share of the closed windows' time spent waiting for batches."""
         return self.waited / max(self.windows_seconds, 1e-9)
 
     def input_bound(self):
@@ -263,14 +276,23 @@ class _Waits:
         return sum(share > DATA_WAIT_HINT for share in self.shares) * 2 > len(self.shares)
 
 
+@dataclass
+class EpochEnd:
+    """What train_one_epoch returns, whether the epoch ran to its end or a stop request ended it."""
+    global_step: int                        # optimizer steps taken, this epoch's included
+    stopped: bool = False                   # a stop request ended it after hooks.save_step; no metrics then
+    input_bound: bool = False               # most log windows waited over DATA_WAIT_HINT of their time
+    metrics: dict = field(default_factory=dict)  # train_loss, img_per_s, train_seconds, train_data_wait
+
+
 def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None):
-    """One pass over `loader`; returns the epoch's mean loss (over all ranks), throughput and step.
+    """One pass over `loader`; returns its EpochEnd: the epoch's mean loss (over all ranks), throughput, step.
 
     Steps are optimizer steps: each takes `step.accum_steps` batches of the loader; a tail of fewer
     batches is not trained. `global_step`, `hooks.log_every` and `hooks.save_every` count optimizer steps.
     resume: a mid-epoch checkpoint's point (checkpoint.resume_point) to continue from.
     At the first window boundary after each `hooks.save_every` steps, and on a stop request, every
-    rank calls hooks.save_step; after a stop it returns {"stopped": True, "global_step": ...}.
+    rank calls hooks.save_step; after a stop it returns EpochEnd(global_step, stopped=True).
     Under clipping, train/grad_norm is the window's mean pre-clip norm over the steps with finite
     gradients, and train/skipped_steps counts the others (fp16's GradScaler skipped them).
     train_data_wait: the share of the windows' time the ranks (on average) waited for batches;
@@ -288,11 +310,11 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     window = _Window(step.device, start)
     label = f"epoch {epoch + 1}" + (f"/{hooks.epochs}" if hooks.epochs else "")
     step.optimizer.zero_grad(set_to_none=True)
-    clipped = [p for g in step.optimizer.param_groups for p in g["params"]] if step.clip_grad_norm else []
+    params_to_clip = [p for g in step.optimizer.param_groups for p in g["params"]] if step.clip_grad_norm else []
     # islice: a tail that makes no whole step is not even loaded.
-    waits = _Waits(itertools.islice(batches, used - skip))
-    bar = logger.progress(waits, used - skip, f"{label} train")
-    norm = input_normalization(getattr(loader, "dataset", None), step.device)
+    waits = _TimedBatches(itertools.islice(batches, used - skip))
+    bar = logger.progress_bar(waits, used - skip, f"{label} train")
+    norm = normalization_of(getattr(loader, "dataset", None), step.device)
     for i, (images, labels) in enumerate(bar, start=skip):
         images, labels = _to_device(images, labels, step.device, step.channels_last, norm)
         if i == 0 and hooks.first_batch is not None:
@@ -305,7 +327,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         window.add_batch(loss, labels.shape[0], global_step)
         if not stepping:
             continue
-        _optimizer_step(step, window, clipped)
+        _optimizer_step(step, window, params_to_clip)
         window.steps += 1
         global_step += 1
         last = i == used - 1
@@ -314,7 +336,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         if window.steps < hooks.log_every and not last and not alone_stopping:
             continue
         # The one host sync (and all-reduce) per window; every rank reaches it at the same step.
-        stopping, wait, seconds = _close_window(step, hooks, logger, window, epoch, global_step, waits.take(),
+        stopping, wait, seconds = _close_window(step, hooks, logger, window, epoch, global_step, waits.pop_wait(),
                                                 (bar, label, (i + 1) // step.accum_steps, used // step.accum_steps,
                                                  (time.perf_counter() - start) / (i + 1 - skip) * (used - i - 1)))
         waits.add_window(wait, seconds)
@@ -324,13 +346,13 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
             hooks.save_step(i + 1, global_step, loss_sum.item(), images_seen)
             next_save = (global_step // hooks.save_every + 1) * hooks.save_every if hooks.save_every else None
             if stopping:
-                return {"stopped": True, "global_step": global_step}
+                return EpochEnd(global_step, stopped=True)
     seconds = time.perf_counter() - start
     epoch_totals = reduce_sums({"loss": loss_sum, "images": loss_sum.new_tensor(float(images_seen))})
-    return {"train_loss": epoch_totals["loss"] / epoch_totals["images"],
-            "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
-            "train_seconds": seconds, "train_data_wait": waits.share(),
-            "global_step": global_step, "input_bound": waits.input_bound()}
+    return EpochEnd(global_step, input_bound=waits.input_bound(),
+                    metrics={"train_loss": epoch_totals["loss"] / epoch_totals["images"],
+                             "img_per_s": epoch_totals["images"] / max(seconds, 1e-9),
+                             "train_seconds": seconds, "train_data_wait": waits.wait_share()})
 
 
 def _skip_trained(batches, resume):
@@ -349,10 +371,10 @@ def _stop_requested(hooks):
     return hooks.stop is not None and hooks.stop.requested()
 
 
-def _close_window(step, hooks, logger, window, epoch, global_step, waited, progress):
+def _close_window(step, hooks, logger, window, epoch, global_step, waited, bar_fields):
     """Read the window's sums (one all-reduce), stop on a non-finite loss, log. waited: this rank's
     seconds spent waiting for batches in the window. Returns (whether any rank was asked to stop,
-    the ranks' mean wait, the window's seconds). progress: (bar, label, epoch's step, its steps,
+    the ranks' mean wait, the window's seconds). bar_fields: (bar, label, epoch's step, its steps,
     seconds to the epoch's end)."""
     totals = window.totals(_stop_requested(hooks), waited)
     world = hooks.world_size
@@ -364,7 +386,7 @@ def _close_window(step, hooks, logger, window, epoch, global_step, waited, progr
                         exit_code=RUNTIME_EXIT, every_rank=True)
     seconds = max(time.perf_counter() - window.start, 1e-9)
     lr = step.optimizer.param_groups[0]["lr"]
-    bar, label, epoch_step, epoch_steps, eta = progress
+    bar, label, epoch_step, epoch_steps, eta = bar_fields
     logger.window(bar, label, epoch_step, epoch_steps, loss, window.images * world / seconds, lr, eta)
     logger.scalar("train/loss_step", loss, global_step)
     wait = totals["waited"] / world
@@ -380,30 +402,38 @@ def _close_window(step, hooks, logger, window, epoch, global_step, waited, progr
 
 # --------------------------------------------------------------------------- evaluation
 
+@dataclass
+class EvalSettings:
+    """How evaluate runs the model; a Step has the same three fields, and training passes its own."""
+    criterion: Criterion = field(default_factory=Criterion)  # per_image: val_loss and the worst mistakes
+    amp_dtype: Optional[torch.dtype] = None                  # autocast dtype; None = fp32
+    channels_last: bool = False                              # NHWC batches (CUDA)
+
+
 @torch.no_grad()
-def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=None, channels_last=False,
-             logger=None, worst_k=0):
+def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, worst_k=0):
     """Loss, accuracy, sample_metrics (top-5), confusion matrix, per-class precision/recall/F1 over the
     whole validation set, and with `worst_k` the k misclassified images of highest loss ("val_worst").
 
-    Each rank evaluates a disjoint, unpadded shard (data.ShardSampler) and the sums are all-reduced
+    Each rank evaluates a disjoint, unpadded shard (utils.samplers.ShardSampler) and the sums are all-reduced
     once, so every image counts exactly once and the result equals a single-process evaluation
     whatever the world size. Each rank keeps its own k worst on the device (no host sync per
     batch); the lists are gathered once and merged by (loss, dataset index), as one process would.
     """
     broadcast_buffers(model)  # every rank evaluates rank 0's model, the one checkpointed
     model.eval()
-    criterion = criterion or Criterion()
+    settings = settings or EvalSettings()
+    criterion, amp_dtype, channels_last = settings.criterion, settings.amp_dtype, settings.channels_last
     logger = logger or RunLogger(".", enabled=False)
     metrics = sample_metrics(num_classes)
     zero = torch.zeros((), device=device, dtype=torch.float64)
     sums = {"loss": zero.clone(), **{name: zero.clone() for name in metrics},
             "confusion": torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)}
     worst = _WorstImages(loader, device, worst_k)
-    short = _forwards_short(model, loader)
+    padding = _padding_forwards(model, loader)
     start = time.perf_counter()
-    norm = input_normalization(getattr(loader, "dataset", None), device)
-    for images, labels in logger.progress(loader, len(loader), "eval"):
+    norm = normalization_of(getattr(loader, "dataset", None), device)
+    for images, labels in logger.progress_bar(loader, len(loader), "eval"):
         images, labels = _to_device(images, labels, device, channels_last, norm)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
@@ -416,7 +446,7 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
         cells = labels * num_classes + pred
         sums["confusion"].index_add_(0, cells, torch.ones_like(cells, dtype=sums["confusion"].dtype))
         worst.add(logits, pred, labels, losses)
-    for _ in range(short):  # results unused: only the collectives inside the forward count
+    for _ in range(padding):  # results unused: only the collectives inside the forward count
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             model(images[:1])
     totals = reduce_sums(sums)
@@ -434,9 +464,10 @@ def evaluate(model, loader, device, num_classes, *, criterion=None, amp_dtype=No
     return out
 
 
-def _forwards_short(model, loader):
+def _padding_forwards(model, loader):
     """FSDP: a forward gathers each block's shards from every rank, so all ranks must make as many as
-    the one with the most validation batches; how many this rank is short (0 for other models)."""
+    the one with the most validation batches; how many forwards this rank adds to its own (0 for
+    other models)."""
     if not fsdp.is_sharded(model):
         return 0
     counts = gather_objects(len(loader))
@@ -500,38 +531,6 @@ def compile_model(model):
     return torch.compile(model)
 
 
-def resolve_run_dir(cfg, script_name, dist_info):
-    """Rank 0 names the run directory and every rank agrees on it (one broadcast)."""
-    if cfg.output_dir:
-        run_dir = cfg.output_dir
-    elif cfg.resume == "auto":
-        raise UserError("--resume auto needs --output-dir: the run directory to continue")
-    else:
-        run_dir = str(Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{script_name}")
-    return Path(broadcast_object(run_dir if dist_info.rank == 0 else None))
-
-
-def _check_run_dir(run_dir, resuming):
-    """Never write over an earlier run without --resume; fail before any training."""
-    if resuming:
-        return
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
-        raise UserError(f"run directory '{run_dir}' already holds a run; continue it with "
-                        "--resume auto, or choose another --output-dir")
-
-
-def _check_writable(run_dir):
-    """A run directory that cannot be written fails now, not at the end of the first epoch."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"output directory '{run_dir}' is not writable ({e.strerror or e}); "
-                        "choose another --output-dir") from None
-
-
 def _raise_stopped(stop, where, global_step, run_dir, dist_info):
     """End the run after a stop request's checkpoint: one line on rank 0, 128+signal everywhere."""
     if dist_info.rank != 0:
@@ -540,16 +539,6 @@ def _raise_stopped(stop, where, global_step, run_dir, dist_info):
     raise UserError(f"stopped by {stop.name} {where}, global step {global_step}; "
                     f"{run_dir / 'checkpoints' / 'last.pt'} is saved. Resume with: {command}",
                     exit_code=stop.exit_code)
-
-
-@dataclass
-class Progress:
-    """Where a run stands: what a checkpoint restores and every epoch moves on."""
-    epoch: int = 0                      # epochs finished: the next one to train
-    global_step: int = 0                # optimizer steps taken
-    best_acc: float = -1.0
-    best_weights: str = "model"         # which weights scored best_acc: "model", or "ema" (train.ema_decay)
-    resume_at: Optional[dict] = None    # a mid-epoch checkpoint's point in its epoch (checkpoint.resume_point)
 
 
 @dataclass
@@ -565,7 +554,7 @@ class _Run:
     logger: RunLogger
     saver: ckpt.Checkpointer
     stop: Optional[StopRequest]             # installed for the epochs
-    progress: Progress
+    run_state: ckpt.RunState                # epoch, global step, best accuracy: the loop's and the checkpoint's
     hinted: bool = False                    # the input-bound hint was printed (once per run)
 
 
@@ -588,30 +577,36 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         return evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state)
     step, layout = build_step(cfg, model, train_loader, classes, dist_info)  # refuses what the data refutes
     if is_main:
-        _check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
-        _check_writable(run_dir)
+        check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
+        check_writable(run_dir)
         ckpt.remove_stale_temps(run_dir / "checkpoints")
-    progress, notes = (Progress(), []) if resume_path is None else _restore(cfg, state, step, layout, classes,
-                                                                            dist_info)
+    run_state, notes = (ckpt.RunState(), []) if resume_path is None else _restore(cfg, state, step, layout, classes,
+                                                                                   dist_info)
     del state
-    logger = RunLogger(run_dir, enabled=is_main, start_epoch=progress.epoch, start_step=progress.global_step,
+    logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
                        resuming=resume_path is not None or restarted or cfg.resume == "auto")
-    saver = ckpt.Checkpointer(run_dir / "checkpoints", ckpt.unwrap(model), step.optimizer, step.scheduler,
-                              step.scaler, config_to_dict(cfg), classes, layout, cfg.train.keep_last,
-                              dist_info.rank, dist_info.device, ema=step.ema)
-    run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, progress)
+    saver = ckpt.Checkpointer(run_dir / "checkpoints", ckpt.unwrap(model), step, config_to_dict(cfg), classes,
+                              layout, cfg.train.keep_last, dist_info.rank)
+    run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state)
     _log_start(run, resume_path, notes)
     run.stop = StopRequest().install()
     metrics = {}
     try:
-        for epoch in range(progress.epoch, cfg.train.epochs):
+        for epoch in range(run_state.epoch, cfg.train.epochs):
             metrics = _train_epoch(run, epoch)
     except OUT_OF_MEMORY as e:
         raise out_of_memory(e, cfg, dist_info, script_name) from e
     finally:
         run.stop.uninstall()
         logger.close()
-    return {"best_acc": progress.best_acc, "run_dir": str(run_dir), "last": metrics}
+    return {"best_acc": run_state.best_acc, "run_dir": str(run_dir), "last": metrics}
+
+
+def compute_settings(cfg, device, class_weight=None):
+    """(criterion, autocast dtype or None, channels_last) of the config on `device`: resolved here
+    alone, for training (build_step) and --eval-only (whose loss is the plain per-image one)."""
+    return (build_criterion(cfg.optim, class_weight), resolve_amp(cfg.train.amp, device),
+            use_channels_last(cfg.model.channels_last, device))
 
 
 def build_step(cfg, model, train_loader, classes, dist_info):
@@ -626,13 +621,12 @@ def build_step(cfg, model, train_loader, classes, dist_info):
     class_weight = class_weights(cfg.optim.class_weights, getattr(train_loader.dataset, "targets", None),
                                  len(classes), device)
     network = ckpt.unwrap(model)  # what the optimizer, the EMA and the checkpoints see
-    amp_dtype = resolve_amp(cfg.train.amp, device)
+    criterion, amp_dtype, channels_last = compute_settings(cfg, device, class_weight)
     optimizer = build_optimizer(network, cfg.optim, world, fused=amp_dtype == torch.float16)
     step = Step(model=compile_model(model) if cfg.train.compile else model, optimizer=optimizer,
                 scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps),
                 scaler=build_scaler(amp_dtype, device), device=device,
-                criterion=build_criterion(cfg.optim, class_weight), amp_dtype=amp_dtype,
-                channels_last=use_channels_last(cfg.model.channels_last, device), accum_steps=accum,
+                criterion=criterion, amp_dtype=amp_dtype, channels_last=channels_last, accum_steps=accum,
                 clip_grad_norm=cfg.optim.clip_grad_norm,
                 mix=batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes)),
                 ema=WeightEMA(network, cfg.train.ema_decay) if cfg.train.ema_decay else None)
@@ -642,10 +636,10 @@ def build_step(cfg, model, train_loader, classes, dist_info):
 
 
 def _restore(cfg, state, step, layout, classes, dist_info):
-    """The checkpoint's weights, optimizer, schedule, scaler and EMA into the step; its Progress, and
+    """The checkpoint's weights, optimizer, schedule, scaler and EMA into the step; its RunState, and
     notes on what differs from this run (world size, epochs, a missing EMA)."""
-    epoch, global_step, best_acc = ckpt.restore(state, step.model, step.optimizer, step.scheduler, step.scaler,
-                                                classes, model_name=cfg.model.name, ema=step.ema)
+    run_state = ckpt.restore(state, step.model, step.optimizer, step.scheduler, step.scaler, classes,
+                             model_name=cfg.model.name, ema=step.ema)
     notes = []
     if step.ema is not None and not state.get("ema"):
         notes.append("note: the checkpoint holds no EMA of the weights; train.ema_decay's average starts "
@@ -656,31 +650,32 @@ def _restore(cfg, state, step, layout, classes, dist_info):
     their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
     if their_steps not in (None, steps):
         # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps.
-        global_step = epoch * steps
+        run_state.global_step = run_state.epoch * steps
         place_schedule(step.scheduler, cfg.optim, dist_info.world_size, their_epochs or cfg.train.epochs, steps,
-                       global_step)
+                       run_state.global_step)
         notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {steps} "
-                     f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {epoch + 1}'s "
+                     f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {run_state.epoch + 1}'s "
                      "start in this run's steps")
     if rng is not None:
         ckpt.set_rng_state(rng)  # Python/NumPy continue; torch's is reseeded per epoch
     if their_epochs not in (None, cfg.train.epochs):
         notes.append(f"note: the checkpoint's lr schedule spans {their_epochs} epochs and is kept; "
                      f"training runs to epoch {cfg.train.epochs}")
-    return Progress(epoch, global_step, best_acc, state.get("best_weights", "model"), resume_at), notes
+    run_state.resume_at = resume_at
+    return run_state, notes
 
 
 def _log_start(run, resume_path, notes):
     """A new run's config, class list and hparams; the start-up lines (rank 0 writes)."""
-    cfg, step, logger, progress, device = run.cfg, run.step, run.logger, run.progress, run.dist_info.device
+    cfg, step, logger, run_state, device = run.cfg, run.step, run.logger, run.run_state, run.dist_info.device
     if resume_path is None:
         logger.write_config(cfg)
         logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(run.classes)})
         logger.hparams(config_to_dict(cfg), ["val/acc", "val/best_acc", "val/macro_f1", "val/loss", "train/loss"])
-    resume_at = progress.resume_at
-    where = f"epoch {progress.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
+    resume_at = run_state.resume_at
+    where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
     logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
-                                                     f"{progress.global_step})" if resume_path else ""))
+                                                     f"{run_state.global_step})" if resume_path else ""))
     if cfg.train.amp in ("bf16", "fp16") and step.amp_dtype is None:
         notes.append(f"note: train.amp={cfg.train.amp} applies on CUDA only; this {device.type} run computes in fp32")
     for note in notes:
@@ -696,57 +691,54 @@ def _log_start(run, resume_path, notes):
 
 def _train_epoch(run, epoch):
     """One epoch: train, evaluate (and the EMA), choose the best, checkpoint, pictures, metrics."""
-    cfg, progress, stop = run.cfg, run.progress, run.stop
+    cfg, run_state, stop = run.cfg, run.run_state, run.stop
     epoch_start = time.perf_counter()
     run.train_loader.sampler.set_epoch(epoch)
     torch.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
     run.train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
-    lr = progress.resume_at["lr"] if progress.resume_at else run.step.optimizer.param_groups[0]["lr"]
+    lr = run_state.resume_at["lr"] if run_state.resume_at else run.step.optimizer.param_groups[0]["lr"]
 
     def save_step(epoch_step, global_step, loss_sum, images_seen):
-        run.saver.save(epoch, global_step, progress.best_acc, epoch_step=epoch_step, loss_sum=loss_sum,
-                       images_seen=images_seen, epoch_lr=lr, best_weights=progress.best_weights)
+        run.saver.save(dataclasses.replace(run_state, global_step=global_step), epoch_step=epoch_step,
+                       loss_sum=loss_sum, images_seen=images_seen, epoch_lr=lr)
 
     first_batch = None
     if epoch == 0 and cfg.train.figures:
-        def first_batch(images, labels, step=progress.global_step):
-            sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, step)
+        def first_batch(images, labels, at_step=run_state.global_step):
+            figures.sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, at_step)
     hooks = EpochHooks(logger=run.logger, log_every=cfg.train.log_every, world_size=run.dist_info.world_size,
                        epochs=cfg.train.epochs, stop=stop, save_every=cfg.train.save_every_steps,
                        save_step=save_step, first_batch=first_batch)
-    train = train_one_epoch(run.step, run.train_loader, epoch, progress.global_step, hooks, progress.resume_at)
-    progress.resume_at = None
-    progress.global_step = train.pop("global_step")
-    input_bound = train.pop("input_bound", False)  # a stopped epoch has none
-    if train.pop("stopped", False):
-        _raise_stopped(stop, f"in epoch {epoch + 1}", progress.global_step, run.run_dir, run.dist_info)
+    end = train_one_epoch(run.step, run.train_loader, epoch, run_state.global_step, hooks, run_state.resume_at)
+    run_state.resume_at, run_state.global_step, train = None, end.global_step, end.metrics
+    if end.stopped:
+        _raise_stopped(stop, f"in epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     val, worst = _validate(run)
     # With an EMA, the better of the two weight sets competes; best.pt records which ("best_weights").
     which = "ema" if run.step.ema is not None and val["val_acc_ema"] > val["val_acc"] else "model"
     score = val["val_acc_ema"] if which == "ema" else val["val_acc"]
-    is_best = score > progress.best_acc
+    is_best = score > run_state.best_acc
     if is_best:
-        progress.best_acc, progress.best_weights = score, which
-    progress.epoch = epoch + 1
-    run.saver.save(epoch + 1, progress.global_step, progress.best_acc, is_best=is_best,
-                   best_weights=progress.best_weights)
-    figure_seconds = epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
-                                    progress.global_step) if cfg.train.figures else 0.0
-    metrics = {"epoch": epoch + 1, "step": progress.global_step, **train, **val, "lr": lr,
-               "best_acc": progress.best_acc,
-               **({"best_weights": progress.best_weights} if run.step.ema is not None else {}),
+        run_state.best_acc, run_state.best_weights = score, which
+    run_state.epoch = epoch + 1
+    run.saver.save(run_state, is_best=is_best)
+    figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
+                                            run_state.global_step) if cfg.train.figures else 0.0
+    metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
+               "best_acc": run_state.best_acc,
+               **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
                "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
     run.logger.epoch(metrics, run.classes)
     run.logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
                     f"val_loss {val['val_loss']:.4f}  val_acc {val['val_acc']:.4f}  "
                     + (f"val_acc_ema {val['val_acc_ema']:.4f}  " if run.step.ema is not None else "")
                     + f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
-    if input_bound and not run.hinted:
+    if end.input_bound and not run.hinted:
         run.hinted = True
         run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
     # A signal that came during evaluation: the epoch's checkpoint is already written.
     if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device):
-        _raise_stopped(stop, f"after epoch {epoch + 1}", progress.global_step, run.run_dir, run.dist_info)
+        _raise_stopped(stop, f"after epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     return metrics
 
 
@@ -762,63 +754,16 @@ def input_bound_hint(share, epoch, loader):
 def _validate(run):
     """The epoch's validation metrics (and the EMA's beside them) and its worst mistakes (or None)."""
     step, cfg = run.step, run.cfg
-    options = dict(criterion=step.criterion, amp_dtype=step.amp_dtype, channels_last=step.channels_last,
-                   logger=run.logger)
-    val = evaluate(step.model, run.val_loader, step.device, len(run.classes),
-                   worst_k=cfg.train.worst_images if cfg.train.figures else 0, **options)
+    val = evaluate(step.model, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
+                   worst_k=cfg.train.worst_images if cfg.train.figures else 0)
     worst = val.pop("val_worst", None)
     if step.ema is not None:  # the average's own evaluation, beside the raw weights'
-        averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), **options)
+        averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), step, logger=run.logger)
         val.update({f"{k}_ema": averaged[k] for k in ("val_loss", "val_acc", "val_macro_f1")})
     # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
     val["bad_images"] = sum(ds.sync_bad_images() for ds in (run.train_loader.dataset, run.val_loader.dataset)
                             if hasattr(ds, "sync_bad_images"))
     return val, worst
-
-
-# --------------------------------------------------------------------------- pictures
-
-def normalization(dataset):
-    """(mean, std) of the Normalize step (NormalizeOnDevice too) of `dataset.transform`, or of `dataset` when it
-    is a transform itself; (None, None) without one. For the device pass and to undo it in pictures."""
-    for t in getattr(getattr(dataset, "transform", dataset), "transforms", []):
-        if hasattr(t, "mean") and hasattr(t, "std"):
-            return tuple(t.mean), tuple(t.std)
-    return None, None
-
-
-def sample_picture(logger, images, labels, classes, dataset, step):
-    """The first training batch as the model sees it (normalization undone), rank 0 only."""
-    if not logger.enabled:
-        return
-    from utils import figures
-    n = min(16, len(images))
-    shown = figures.denormalize(images[:n], *normalization(dataset))
-    names = [classes[i] for i in labels[:n].tolist()]
-    logger.image("train/augmented_samples",
-                 figures.image_grid(shown, names, title="augmented training samples", cols=8), step)
-
-
-def worst_picture(worst, classes, dataset):
-    """The worst mistakes as an image grid: each with true class, predicted class and probability."""
-    from utils import figures
-    mean, std = normalization(dataset)
-    shown = figures.denormalize(torch.stack([dataset[w["index"]][0] for w in worst]), mean, std) if worst else []
-    titles = [f"{classes[w['label']]} -> {classes[w['pred']]}\n{w['prob']:.0%}" for w in worst]
-    return figures.image_grid(shown, titles, colours=["firebrick"] * len(worst),
-                              title="worst mistakes (true -> predicted, probability)", cols=min(8, max(len(worst), 1)))
-
-
-def epoch_pictures(logger, val, worst, classes, dataset, step):
-    """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took."""
-    if not logger.enabled:
-        return 0.0
-    from utils import figures
-    start = time.perf_counter()
-    logger.image("val/confusion_matrix", figures.confusion_matrix_image(val["val_confusion"], classes), step)
-    if worst is not None:  # train.worst_images > 0; also when there was no mistake
-        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), step)
-    return round(time.perf_counter() - start, 4)
 
 
 # --------------------------------------------------------------------------- --eval-only
@@ -839,9 +784,8 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
         source += " (EMA weights)" if weights is state.get("ema") else ""
         del state, weights
     if dist_info.rank == 0:
-        _check_writable(run_dir)
-    val = evaluate(model, val_loader, device, len(classes), amp_dtype=resolve_amp(cfg.train.amp, device),
-                   channels_last=use_channels_last(cfg.model.channels_last, device),
+        check_writable(run_dir)
+    val = evaluate(model, val_loader, device, len(classes), EvalSettings(*compute_settings(cfg, device)),
                    worst_k=cfg.train.worst_images)
     val.pop("val_seconds")
     val["val_worst"] = [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]}
@@ -849,11 +793,10 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     split = getattr(val_loader.dataset, "split", "val")
     result = {"checkpoint": source, "split": split, "classes": list(classes), **val}
     if dist_info.rank == 0:
-        from utils import figures
         figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
                          run_dir / "confusion_matrix.png")
         if cfg.train.worst_images:
-            figures.save_png(worst_picture(val["val_worst"], classes, val_loader.dataset),
+            figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset),
                              run_dir / "worst_mistakes.png")
         tmp = run_dir / "eval.json.tmp"
         tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from data import IMAGENET_MEAN, IMAGENET_STD, trained_data_config
+from data import build_transforms, trained_data_config
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
 from utils.errors import RUNTIME_EXIT, UserError
+from utils.normalization import FORMULA, mean_std
 
 FORMATS = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
 TOLERANCE = 1e-4
@@ -67,7 +68,8 @@ def main(argv=None):
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
     data_cfg = trained_data_config(config)
-    size = int(data_cfg["img_size"])
+    size, resize = int(data_cfg["img_size"]), int(data_cfg["val_resize"])
+    mean, std = mean_std(build_transforms(size, resize)[1])  # what predict.py and evaluation normalise with
 
     gen = torch.Generator().manual_seed(0)
     example = torch.randn(2, 3, size, size, generator=gen)
@@ -87,9 +89,9 @@ def main(argv=None):
     sidecar.write_text(json.dumps({
         "format": args.format, "checkpoint": str(ckpt_path), "model": config.get("model", {}).get("name"),
         "classes": classes, "input": "images", "output": "logits (softmax gives probabilities)",
-        "input_size": [3, size, size], "resize": int(data_cfg["val_resize"]),
-        "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
-        "preprocess": "RGB, resize shorter side to `resize`, center-crop `input_size`, /255, (x - mean) / std",
+        "input_size": [3, size, size], "resize": resize,
+        "mean": list(mean), "std": list(std),
+        "preprocess": f"RGB, resize shorter side to `resize`, center-crop `input_size`, {FORMULA}",
     }, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{args.format}: {out} (+ {sidecar.name}); max abs diff vs PyTorch on a batch of 3: {diff:.2e}")
     return diff

@@ -22,7 +22,6 @@ from torchvision.ops import misc as tv_misc
 
 from utils.checkpoint import best_weights, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
-from utils.distributed_utils import use_channels_last
 from utils.errors import UserError
 from utils.fsdp import checkpoint_blocks
 
@@ -277,6 +276,12 @@ def _probe(model, name, img_size, device):
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", every_rank=True)
     finally:
         model.train(training)
+
+
+def use_channels_last(requested, device):
+    """model.channels_last holds on CUDA only: NHWC feeds the tensor cores' convolutions there,
+    while on the CPU it slows most convolutions down."""
+    return bool(requested) and device.type == "cuda"
 
 
 def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):

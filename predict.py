@@ -23,12 +23,13 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from data import BadImage, build_transforms, is_image_file, load_image, trained_data_config
-from engine import input_normalization, model_input
+from data import build_transforms, is_image_file, trained_data_config
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
+from utils.decoding import BadImage, load_image
 from utils.distributed_utils import resolve_device
 from utils.errors import RUNTIME_EXIT, UserError
+from utils.normalization import model_input, normalization_of
 
 SHOWN = 10  # images in the printed table; the rest go to the file only
 
@@ -76,7 +77,7 @@ def predict(model, paths, transform, size, device, topk, batch_size, workers, ma
     """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable)."""
     files = ImageFiles(paths, transform, size, max_pixels)
     loader = DataLoader(files, batch_size=batch_size, num_workers=workers, pin_memory=device.type == "cuda")
-    norm = input_normalization(files, device)  # uint8 batches are normalised on the device, as in training
+    norm = normalization_of(files, device)  # uint8 batches are normalised on the device, as in training
     rows, bad = [], []
     with torch.inference_mode():
         for images, index, errors in loader:

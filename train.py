@@ -12,11 +12,12 @@ import sys
 
 import torch
 
-from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from data import build_datasets, make_loader
 from model import build_model
 from utils.cli import cli_entry, refuse_launcher
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
+from utils.samplers import ShardSampler, epoch_sampler
 from engine import fit
 
 

@@ -17,11 +17,12 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from data import build_datasets, make_loader
 from model import build_model, sync_bn_wanted
 from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import convert_sync_bn, ddp_kwargs, init_distributed_mode
+from utils.samplers import ShardSampler, epoch_sampler
 from engine import fit
 
 

@@ -15,14 +15,32 @@ import sys
 import torch
 from torch import nn
 
-from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from data import build_datasets, make_loader
 from model import build_model
 from utils.cli import cli_entry, refuse_launcher
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
+from utils.samplers import ShardSampler, epoch_sampler
 from engine import fit
 from utils.errors import UserError
-from utils.optim import AutocastForward, resolve_amp
+from utils.optim import resolve_amp
+
+
+class AutocastForward(torch.nn.Module):
+    """Runs `module` under autocast(dtype) inside its own forward.
+
+    DataParallel runs each GPU's replica in a thread of its own, and autocast's
+    dtype is per thread: the replicas would compute in fp16 (CUDA's default)
+    while bf16 was chosen and the GradScaler is off.
+    """
+
+    def __init__(self, module, dtype, device_type="cuda"):
+        super().__init__()
+        self.module, self.dtype, self.device_type = module, dtype, device_type
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
+            return self.module(*args, **kwargs)
 
 
 @cli_entry

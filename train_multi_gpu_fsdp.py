@@ -17,12 +17,13 @@ import sys
 
 import torch
 
-from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from data import build_datasets, make_loader
 from model import build_model, sync_bn_wanted
 from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import convert_sync_bn, init_distributed_mode
 from utils.fsdp import check_config, make_mesh, shard_model
+from utils.samplers import ShardSampler, epoch_sampler
 from utils.optim import resolve_amp
 from engine import fit
 

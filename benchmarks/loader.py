@@ -17,10 +17,10 @@ device:
 The template is timed twice per repeat: "delivered", its batches moved to the
 device as they come (uint8), which is what the loader hands a GPU and what the
 goals are judged on; and "model input", each batch through the training loop's
-own engine.model_input, which normalises the uint8 batch to float on the device
+own utils.normalization.model_input, which normalises the uint8 batch to float on the device
 (on a CPU-only run that pass is in the main process, on the cores the workers
 decode on, and counted). The reference's batches always go through
-engine.model_input (they are float already: moved, and channels_last on CUDA).
+utils.normalization.model_input (they are float already: moved, and channels_last on CUDA).
 The same worker count for both: min(8, CPU cores), the template's own rule on
 CUDA, unless --workers. A run is one whole epoch, timed from iter() until its
 last batch is the model's input (on CUDA: synced), after one untimed epoch of
@@ -58,10 +58,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import data  # noqa: E402
-import engine  # noqa: E402
 from demo.flowers import CLASS_NAMES, FLOWER_PHOTOS_COUNTS, ensure  # noqa: E402
+from utils import normalization  # noqa: E402
 from utils.config import load_config  # noqa: E402
-from utils.distributed_utils import resolve_device, use_channels_last  # noqa: E402
+from model import use_channels_last  # noqa: E402
+from utils.distributed_utils import resolve_device  # noqa: E402
+from utils.samplers import epoch_sampler  # noqa: E402
 
 GOALS = {"flowers": 1.5, "photos": 3.0}  # template / reference, issue 20
 PHOTO_SIZE = (4000, 3000)
@@ -130,7 +132,7 @@ def template_loader(root, args, batch, device):
                        f"data.num_workers={args.workers}", f"data.img_size={args.img_size}",
                        f"data.val_resize={round(args.img_size * 256 / 224)}", *args.set_arg])
     train_set, _, _ = data.build_datasets(cfg.data)
-    loader = data.make_loader(train_set, batch, data.epoch_sampler(train_set, 0), cfg.data, device, train=True,
+    loader = data.make_loader(train_set, batch, epoch_sampler(train_set, 0), cfg.data, device, train=True,
                               procs_per_node=1, channels_last=cfg.model.channels_last)
     loader.generator.manual_seed(0)
     return loader
@@ -148,15 +150,15 @@ def reference_loader(root, args, batch, device):
 
 def timed_run(loader, device, to_model=True):
     """Seconds from iter() until the epoch's batches are on `device`: as the model's input (the loop's
-    own engine.model_input), or with to_model=False as the loader delivers them; the images counted,
+    own utils.normalization.model_input), or with to_model=False as the loader delivers them; the images counted,
     one batch's look."""
-    norm = engine.input_normalization(loader.dataset, device)
+    norm = normalization.normalization_of(loader.dataset, device)
     channels_last = use_channels_last(True, device)  # model.channels_last's default, for both
     start, images, look = time.perf_counter(), 0, None
     it = iter(loader)
     for _ in range(len(loader)):
         x, _ = next(it)
-        x = engine.model_input(x, device, norm, channels_last) if to_model else x.to(device, non_blocking=True)
+        x = normalization.model_input(x, device, norm, channels_last) if to_model else x.to(device, non_blocking=True)
         images += x.shape[0]
         look = look or {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
     if device.type == "cuda":

@@ -7,7 +7,7 @@
 Forked workers share the parent's memory until they write to a page. Reading a Python object
 writes its reference count, so a worker that reads every (path, label) tuple of a list ends up
 with a private copy of the whole list (pytorch/pytorch#13246). data.ImageList keeps its samples
-as a data.SampleList (three numpy arrays) instead. For each form, the old list of tuples (kept
+as a utils.sample_list.SampleList (three numpy arrays) instead. For each form, the old list of tuples (kept
 here only as the comparison) and the SampleList, the script builds ImageNet-like samples, starts
 a real DataLoader with N forked workers, and each worker reads every sample once and reports how
 its Private_Dirty memory (/proc/self/smaps_rollup, Linux) grew meanwhile: that growth is what the
@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from data import SampleList  # noqa: E402
+from utils.sample_list import SampleList  # noqa: E402
 
 
 def private_dirty_mb():

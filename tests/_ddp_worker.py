@@ -24,10 +24,11 @@ from torch.utils.data import Dataset, Subset
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data import ShardSampler, build_datasets, epoch_sampler, make_loader, split_dataset  # noqa: E402
+from data import build_datasets, make_loader, split_dataset  # noqa: E402
 from model import build_model  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.distributed_utils import DistInfo, cleanup, convert_sync_bn, init_distributed_mode  # noqa: E402
+from utils.samplers import ShardSampler, epoch_sampler  # noqa: E402
 import engine  # noqa: E402
 from engine import evaluate, fit  # noqa: E402
 from utils.errors import UserError  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 import train
 from bad_files import BROKEN, GOOD_MODES, call_main, cmyk_jpeg, error_line, gray16_png, tree_hash, truncated_jpeg
 from conftest import FAST_ARGS, make_image_folder, run_entry
-from data import load_rgb
+from utils.decoding import load_rgb
 
 
 def make_messy_folder(base):

@@ -151,7 +151,7 @@ def test_loader_benchmark_quick_times_both_loaders_on_the_same_files(tmp_path):
 
 @pytest.mark.slow
 def test_sample_memory_quick_workers_copy_the_list_but_not_the_sample_list(tmp_path):
-    """Forked workers that read every sample copy a list of tuples (pytorch/pytorch#13246), not data.SampleList."""
+    """Forked workers that read every sample copy a list of tuples (pytorch/pytorch#13246), not a SampleList."""
     out = tmp_path / "sample_memory.json"
     r = subprocess.run([sys.executable, "benchmarks/sample_memory.py", "--quick", "--json", out], cwd=REPO,
                        capture_output=True, text=True, timeout=300)

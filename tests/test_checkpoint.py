@@ -226,6 +226,31 @@ def test_an_fp16_run_resumes_a_checkpoint_that_has_no_scaler_state(small_run):
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.epochs, 10)
     scaler = torch.amp.GradScaler("cpu", enabled=True)  # what build_scaler(torch.float16, ...) gives on CUDA
-    epoch, step, _ = ckpt.restore(state, model, optimizer, scheduler, scaler, state["classes"], "resnet18")
-    assert (epoch, step) == (state["epoch"], state["global_step"])
+    restored = ckpt.restore(state, model, optimizer, scheduler, scaler, state["classes"], "resnet18")
+    assert (restored.epoch, restored.global_step) == (state["epoch"], state["global_step"])
     assert scaler.is_enabled() and scaler.get_scale() == 2.0 ** 16  # a fresh loss scale
+
+
+def test_train_compile_on_the_cpu_trains_the_plain_models_weights(small_run, data, tmp_path, monkeypatch, capsys):
+    """train.compile=true through train.py's own path, on the CPU with dynamo's eager backend (inductor
+    would need a C++ compiler here): the run ends, its checkpoint is the plain model's (no '_orig_mod.'),
+    and it holds the weights the uncompiled run of the same command trained."""
+    real_compile, compiled = torch.compile, []
+
+    def eager_compile(model, **kw):
+        compiled.append(type(model).__name__)
+        return real_compile(model, **{**kw, "backend": "eager"})
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    torch._dynamo.reset()
+    out = tmp_path / "compiled"
+    try:
+        assert run_main(train, run_args(data, out, *ONE_EPOCH, "train.compile=true", epochs=1), monkeypatch) == 0
+    finally:
+        torch._dynamo.reset()
+    assert len(compiled) == 1, compiled
+    got, plain = load(out / "checkpoints" / "last.pt"), load(small_run / "checkpoints" / "last.pt")
+    assert list(got["model"]) == list(plain["model"])
+    for key, value in plain["model"].items():
+        assert torch.allclose(got["model"][key].double(), value.double(), rtol=1e-4, atol=1e-6), key
+    assert [m["val_acc"] for m in metrics(out)] == [m["val_acc"] for m in metrics(small_run)]

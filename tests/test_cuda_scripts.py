@@ -79,7 +79,7 @@ def test_dataparallel_replicas_compute_in_the_chosen_autocast_dtype():
     Two replicas on GPU 0 show it with one GPU: bare, the outputs are fp16; wrapped, bf16."""
     from torch.nn.parallel import parallel_apply
 
-    from utils.optim import AutocastForward
+    from train_multi_gpu_dp import AutocastForward
     layer = torch.nn.Linear(8, 4).cuda()
     x = torch.randn(2, 8, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):

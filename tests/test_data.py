@@ -1,5 +1,5 @@
-"""data.py: the per-class train/val split, the two folder layouts, file discovery,
-image modes and the train/val transforms.
+"""data.py: the per-class train/val split and its rounding, the two folder layouts, file discovery,
+image modes, the train/val transforms, and the order the file reads in.
 
     python -m pytest tests/test_data.py -q
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-import engine
 from conftest import REPO, make_image_folder
 from data import build_datasets, build_transforms, split_dataset
+from utils import normalization
 from utils.config import load_config
 
 
@@ -50,6 +50,17 @@ def test_split_is_per_class_and_respects_val_rate(uneven_root):
 
     half = split_dataset(uneven_root, val_rate=0.5, split_seed=0)
     assert [sum(1 for _, y in half.val if y == c) for c in range(3)] == [5, round(2.5), 10]
+
+
+def test_split_rounds_each_class_to_the_nearest_image(tmp_path):
+    """At the default data.val_rate=0.2, classes of 7, 8, 12 and 13 images owe 1.4, 1.6, 2.4 and 2.6
+    validation images: each class rounds its own share to the nearest image, neither down nor up."""
+    root = tmp_path / "remainders"
+    for name, n in (("a", 7), ("b", 8), ("c", 12), ("d", 13)):
+        make_image_folder(root, per_class=n, classes=(name,), size=(8, 8))
+    split = split_dataset(root, val_rate=0.2, split_seed=0)
+    assert [sum(y == c for _, y in split.val) for c in range(4)] == [1, 2, 2, 3]
+    assert [sum(y == c for _, y in split.train) for c in range(4)] == [6, 6, 10, 10]
 
 
 def test_split_is_deterministic_and_leaves_global_rng_alone(uneven_root):
@@ -150,7 +161,7 @@ def test_transforms_give_square_crops_of_img_size(size):
     assert val.shape == (3, 48, 48) and val.dtype == torch.uint8
     # Normalized with the ImageNet statistics on the device: a pure colour maps to (c/255 - mean) / std.
     cpu = torch.device("cpu")
-    val = engine.model_input(val[None], cpu, engine.input_normalization(val_tf, cpu))[0]
+    val = normalization.model_input(val[None], cpu, normalization.normalization_of(val_tf, cpu))[0]
     expected = (torch.tensor([200, 30, 30]) / 255 - torch.tensor([0.485, 0.456, 0.406])) \
         / torch.tensor([0.229, 0.224, 0.225])
     assert torch.allclose(val[:, 24, 24], expected, atol=1e-5)
@@ -176,3 +187,17 @@ def test_train_transform_crops_and_flips_at_random_val_transform_does_not():
     assert distinct == 20
     first = val_tf(img)
     assert all(torch.equal(first, val_tf(img)) for _ in range(5))
+
+
+# --------------------------------------------------------------------------- the file itself
+
+def test_data_py_defines_what_its_first_screen_lists_in_that_order():
+    """data.py is read top to bottom by someone adapting it to their data: its docstring lists the
+    parts a user changes, and the file defines them in the same order, each once."""
+    text = (REPO / "data.py").read_text()
+    first_screen = text[:text.index('"""', 3)]
+    parts = ["split_dataset", "build_transforms", "build_datasets", "make_loader"]
+    listed = [first_screen.index(f"\n    {name}  ") for name in parts]
+    assert listed == sorted(listed)
+    defined = [line.split("(")[0].removeprefix("def ") for line in text.splitlines() if line.startswith("def ")]
+    assert [name for name in defined if name in parts] == parts

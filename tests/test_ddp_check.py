@@ -85,7 +85,8 @@ def test_too_small_shm_fails_with_the_fix_and_exit_1():
 
 
 def test_shm_need_counts_what_the_training_loader_holds(tmp_path):
-    from data import PREFETCH_FACTOR, build_datasets
+    from data import build_datasets
+    from utils.loader import PREFETCH_FACTOR
     from utils.config import load_config
     tool, cpu = load_tool(), torch.device("cpu")
     make_image_folder(tmp_path / "data", per_class=4, size=(90, 70))

@@ -1,20 +1,26 @@
 """The edits the README's "Make it yours" invites, each made in a scratch copy of the repository:
-the tests it concerns still pass there, and the product does what the README promises.
+the tests of what it touches still pass there, and the product does what the README promises.
 
     python -m pytest tests/test_edits.py -q
 
 - an augmentation (ColorJitter in data.build_transforms): data.pipeline=auto trains on the PIL
-  path, data.pipeline=gpu stops with its one line, and the data and gpu-pipeline tests pass;
-- a focal loss in engine.Criterion.loss: training runs on it, the loop tests pass, and the NaN
-  fault still reaches the training loss (tests/_faults.py patches the criterion);
+  path, data.pipeline=gpu stops with its one line, and the transform tests pass;
+- a focal loss with a gamma key (a Criterion field, the body of Criterion.loss, optim.focal_gamma):
+  training runs on it, the key reaches it, the loop tests pass, and the NaN fault still reaches the
+  training loss (tests/_faults.py patches the criterion);
 - a metric in engine.sample_metrics: it lands in metrics.jsonl, TensorBoard and eval.json;
 - a config key (schema line + commented default): the config tests pass and the key overrides.
+
+Each edit finds its place by the function or class it changes (ast), not by a line's exact text,
+so reformatting the code does not break it.
 """
+import ast
 import json
 import math
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -24,25 +30,95 @@ pytestmark = pytest.mark.slow
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
+
+def _node(tree, qualname):
+    """The function or class `qualname` ("Class.method" for a method) of a parsed module."""
+    body = tree.body
+    for name in qualname.split("."):
+        found = [n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name]
+        assert len(found) == 1, f"no single {name!r} ({qualname})"
+        node, body = found[0], found[0].body
+    return node
+
+
+def _insert(lines, at, code, indent):
+    """`code` (dedented text) as lines indented by `indent` spaces, before 0-based line `at`."""
+    lines[at:at] = [" " * indent + line if line else line for line in textwrap.dedent(code).splitlines(True)]
+
+
+def in_function(path, qualname, code, where):
+    """An edit of function (or class) `qualname` in `path`. where:
+    "body"          `code` replaces its body, after the docstring;
+    "before_return" `code` goes before its last statement (a return);
+    "after_fields"  `code` goes after a class's last annotated field;
+    ("after_call", name) `code` goes after the call to `name` (e.g. a transform in a list)."""
+    def edit(text):
+        tree, lines = ast.parse(text), text.splitlines(True)
+        node = _node(tree, qualname)
+        if where == "body":
+            first = node.body[1] if ast.get_docstring(node) else node.body[0]
+            indent = first.col_offset
+            del lines[first.lineno - 1:node.body[-1].end_lineno]
+            _insert(lines, first.lineno - 1, code, indent)
+        elif where == "before_return":
+            last = node.body[-1]
+            assert isinstance(last, ast.Return), f"{qualname} does not end in a return"
+            _insert(lines, last.lineno - 1, code, last.col_offset)
+        elif where == "after_fields":
+            fields = [n for n in node.body if isinstance(n, ast.AnnAssign)]
+            _insert(lines, fields[-1].end_lineno, code, fields[-1].col_offset)
+        else:
+            calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "attr",
+                     getattr(n.func, "id", None)) == where[1]]
+            assert len(calls) == 1, f"{qualname} holds no single call to {where[1]}"
+            _insert(lines, calls[0].end_lineno, code, calls[0].col_offset)
+        return "".join(lines)
+    return path, edit
+
+
+def in_yaml_section(path, section, line):
+    """`line` added at the end of the top-level `section:` of a YAML file (its keys indented two spaces)."""
+    def edit(text):
+        lines = text.splitlines(True)
+        start = lines.index(f"{section}:\n")
+        end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("  "))
+        while not lines[end - 1].strip():
+            end -= 1
+        lines.insert(end, f"  {line}\n")
+        return "".join(lines)
+    return path, edit
+
+
+CONFIG_KEY = [
+    in_function("utils/config.py", "OptimConfig", "focal_gamma: float = MISSING\n", "after_fields"),
+    in_yaml_section("configs/default.yaml", "optim",
+                    "focal_gamma: 2.0             # focal loss: how much the easy images count less; 0 = cross entropy"),
+]
+
 EDITS = {
-    "augmentation": ("data.py", "        transforms.RandomHorizontalFlip(),\n",
-                     "        transforms.RandomHorizontalFlip(),\n"
-                     "        transforms.ColorJitter(0.4, 0.4, 0.4),\n"),
-    "focal_loss": ("engine.py",
-                   "        return F.cross_entropy(logits, targets, weight=weight, label_smoothing=label_smoothing, "
-                   "reduction=reduction)\n",
-                   "        ce = F.cross_entropy(logits, targets, weight=weight, label_smoothing=label_smoothing,\n"
-                   "                             reduction=\"none\")\n"
-                   "        focal = (1 - torch.exp(-ce)) ** 2 * ce\n"
-                   "        return focal.mean() if reduction == \"mean\" else focal\n"),
-    "metric": ("engine.py", "    if num_classes >= 5:\n",
-               "    metrics[\"val_top3\"] = lambda logits, labels: (logits.topk(3, dim=1).indices == labels[:, None]).any(dim=1)\n"
-               "    if num_classes >= 5:\n"),
-    "config_key": [("utils/config.py", "    class_weights: Any = MISSING\n",
-                    "    class_weights: Any = MISSING\n    focal_gamma: float = MISSING\n"),
-                   ("configs/default.yaml", "\ntrain:\n",
-                    "  focal_gamma: 2.0             # focal loss: how much the easy images count less; 0 = cross entropy\n"
-                    "\ntrain:\n")],
+    "augmentation": [in_function("data.py", "build_transforms", "transforms.ColorJitter(0.4, 0.4, 0.4),\n",
+                                 ("after_call", "RandomHorizontalFlip"))],
+    # The gamma: one Criterion field named as the config key (build_criterion fills it) and one line of loss.
+    "focal_loss": CONFIG_KEY + [
+        in_function("engine.py", "Criterion", "focal_gamma: float = 2.0\n", "after_fields"),
+        in_function("engine.py", "Criterion.loss", """\
+            ce = F.cross_entropy(logits, targets, weight=self.class_weight, label_smoothing=self.label_smoothing,
+                                 reduction="none")
+            focal = (1 - torch.exp(-ce)) ** self.focal_gamma * ce
+            return focal.mean() if reduction == "mean" else focal
+            """, "body")],
+    "metric": [in_function("engine.py", "sample_metrics",
+                           'metrics["val_top3"] = lambda logits, labels: '
+                           '(logits.topk(3, dim=1).indices == labels[:, None]).any(dim=1)\n', "before_return")],
+    "config_key": CONFIG_KEY,
+}
+
+# The tests of what each edit touches, run in the edited copy (a fresh process: the edited modules).
+TOUCHED = {
+    "augmentation": ["tests/test_data.py", "tests/test_gpu_pipeline.py", "-k", "transform"],
+    "focal_loss": ["tests/test_engine.py", "-k", "hand or nan",
+                   "tests/test_kill_resume.py::test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint"],
+    "config_key": ["tests/test_config.py", "-k", "default or comment"],
 }
 
 
@@ -58,11 +134,13 @@ def scratch_copy(dest):
     return dest
 
 
-def apply(root, edit):
-    for path, old, new in edit if isinstance(edit, list) else [edit]:
+def apply(root, edits):
+    for path, edit in edits:
         text = (root / path).read_text()
-        assert text.count(old) == 1, f"{path} no longer holds the line this edit changes: {old!r}"
-        (root / path).write_text(text.replace(old, new))
+        edited = edit(text)
+        assert edited != text
+        compile(edited, path, "exec") if path.endswith(".py") else None  # the edit left valid code
+        (root / path).write_text(edited)
 
 
 def run(root, *args, timeout=600):
@@ -71,9 +149,10 @@ def run(root, *args, timeout=600):
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def pytest_in(root, *args):
-    rc, out = run(root, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *args)
+def touched_tests_pass(root, name):
+    rc, out = run(root, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *TOUCHED[name])
     assert rc == 0, out[-4000:]
+    assert " passed" in out.splitlines()[-1], out[-2000:]
 
 
 @pytest.fixture
@@ -87,10 +166,25 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_each_edit_finds_its_place_and_leaves_valid_code(tmp_path):
+    """Every edit applies to this tree (one place each, valid Python afterwards), and the focal loss
+    edit changes the body of Criterion.loss alone."""
+    for name, edits in EDITS.items():
+        root = tmp_path / name
+        for path, _ in edits:
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text((REPO / path).read_text())
+        apply(root, edits)
+    focal = (tmp_path / "focal_loss" / "engine.py").read_text()
+    assert focal.count("self.focal_gamma") == 1 and focal.count("focal_gamma: float = 2.0") == 1
+    before = ast.get_docstring(_node(ast.parse((REPO / "engine.py").read_text()), "Criterion.loss"))
+    assert ast.get_docstring(_node(ast.parse(focal), "Criterion.loss")) == before
+
+
 @pytest.mark.parametrize("edited", ["augmentation"], indirect=True)
 def test_an_added_augmentation_trains_on_the_pil_path_and_the_gpu_pipeline_says_why_not(edited, tmp_path):
     root, images = edited
-    pytest_in(root, "tests/test_data.py", "tests/test_gpu_pipeline.py")
+    touched_tests_pass(root, "augmentation")
     rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "auto",
                   "data.pipeline=auto")
     assert rc == 0 and len(metrics(tmp_path / "auto")) == 1, out[-3000:]
@@ -103,15 +197,20 @@ def test_an_added_augmentation_trains_on_the_pil_path_and_the_gpu_pipeline_says_
 
 
 @pytest.mark.parametrize("edited", ["focal_loss"], indirect=True)
-def test_a_focal_loss_trains_and_the_loop_tests_and_the_nan_fault_still_hold(edited, tmp_path):
+def test_a_focal_loss_with_a_gamma_key_trains_and_the_loop_tests_and_the_nan_fault_still_hold(edited, tmp_path):
     root, images = edited
-    pytest_in(root, "tests/test_engine.py",
-              "tests/test_kill_resume.py::test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint")
-    rc, out = run(root, "-c", "import torch, engine; x = torch.tensor([[2.0, 0.0, 0.0]]); "
-                              "print(engine.Criterion()(x, torch.tensor([0])).item())")
-    p = 1 / (1 + 2 * 2.718281828459045 ** -2)  # softmax probability of the true class
-    assert rc == 0 and float(out.split()[-1]) == pytest.approx((1 - p) ** 2 * -math.log(p), rel=1e-5)
-    rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "run")
+    touched_tests_pass(root, "focal_loss")
+    p = 1 / (1 + 2 * math.exp(-2))  # softmax probability of the true class of logits (2, 0, 0)
+    rc, out = run(root, "-c", "import torch, engine; from utils.config import load_config; "
+                              "x, y = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0]); "
+                              "print(engine.Criterion()(x, y).item(), "
+                              "engine.build_criterion(load_config(['optim.focal_gamma=0.5']).optim)(x, y).item())")
+    assert rc == 0, out[-2000:]
+    default, half = map(float, out.split()[-2:])
+    assert default == pytest.approx((1 - p) ** 2 * -math.log(p), rel=1e-5)
+    assert half == pytest.approx((1 - p) ** 0.5 * -math.log(p), rel=1e-5)  # the key reaches the loss
+    rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "run",
+                  "optim.focal_gamma=1.0")
     assert rc == 0 and len(metrics(tmp_path / "run")) == 1, out[-3000:]
 
 
@@ -134,7 +233,7 @@ def test_a_new_metric_reaches_metrics_tensorboard_and_eval_json(edited, tmp_path
 @pytest.mark.parametrize("edited", ["config_key"], indirect=True)
 def test_a_new_config_key_is_checked_commented_and_overridable(edited):
     root, _ = edited
-    pytest_in(root, "tests/test_config.py")
+    touched_tests_pass(root, "config_key")
     rc, out = run(root, "-c", "from utils.config import load_config; "
                               "print(load_config([]).optim.focal_gamma, load_config(['optim.focal_gamma=0.5'])"
                               ".optim.focal_gamma)")

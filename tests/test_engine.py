@@ -18,11 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data import ShardSampler, epoch_sampler, make_loader
+from data import make_loader
 import engine
 from utils.config import load_config
 from utils.distributed_utils import DistInfo
 from utils.errors import RUNTIME_EXIT, UserError
+from utils.samplers import ShardSampler, epoch_sampler
 from utils.optim import build_optimizer, build_scaler
 
 CPU = torch.device("cpu")
@@ -102,11 +103,11 @@ def test_train_one_epoch_loss_and_steps_match_a_hand_loop():
         sched2.step()
         losses.append((loss.item(), len(y)))
     expected = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
-    assert out["train_loss"] == pytest.approx(expected, rel=1e-6)
+    assert out.metrics["train_loss"] == pytest.approx(expected, rel=1e-6)
     assert expected != pytest.approx(sum(loss for loss, _ in losses) / len(losses), rel=1e-6)  # weighting shows
     assert len(steps) == len(batches) and sched.last_epoch == len(batches)
-    assert out["global_step"] == 7 + len(batches)
-    assert out["img_per_s"] > 0 and out["train_seconds"] > 0
+    assert out.global_step == 7 + len(batches)
+    assert out.metrics["img_per_s"] > 0 and out.metrics["train_seconds"] > 0
     for (name, a), b in zip(model.state_dict().items(), by_hand.state_dict().values()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
 
@@ -297,7 +298,8 @@ def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
     batches, converted and normalised on the device by the loop (data.py's transforms give them).
     Scope: one process with plain BatchNorm. --syncBN with 2+ processes is torch's SyncBatchNorm, whose
     forward masks the gathered statistics by batch size, a host sync per layer (36 per ResNet34 step)."""
-    from utils.optim import WeightEMA, batch_mixer
+    from utils.mixing import batch_mixer
+    from utils.optim import WeightEMA
     from model import create_model
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
@@ -329,4 +331,4 @@ def test_train_steps_on_cuda_do_not_synchronize(amp, recipe):
         out = engine.train_one_epoch(step, SyncDebugLoader(batches), 1, global_step=steps, hooks=hooks)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
-    assert math.isfinite(out["train_loss"]) and out["global_step"] == 2 * steps
+    assert math.isfinite(out.metrics["train_loss"]) and out.global_step == 2 * steps

@@ -27,7 +27,6 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import FAST_ARGS, make_image_folder, run_entry
-from engine import DATA_WAIT_HINT
 from model import create_model
 from utils.config import load_config
 
@@ -182,9 +181,8 @@ def test_metrics_jsonl_has_one_line_per_epoch(run):
         assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
         assert all(math.isfinite(r[k]) for k in METRIC_KEYS)
         assert 0.0 <= r["val_acc"] <= 1.0 and r["img_per_s"] > 0 and r["epoch_seconds"] > 0
-        # Tiny images loaded in the main process: a small share of the time (the input-bound case: test_loader.py).
-        assert 0 < r["train_data_wait"] < DATA_WAIT_HINT, r["train_data_wait"]
-    assert "input-bound" not in run.output
+        # A share of the time; how small it is, is the loader benchmark's goal (tests/test_benchmarks.py).
+        assert 0 <= r["train_data_wait"] <= 1, r["train_data_wait"]
     # 0.01 per process; DDP scales it by its 2 processes, DataParallel's batch is already global.
     assert rows[0]["lr"] == pytest.approx(0.02 if run.name == "ddp" else 0.01)
     if run.epochs > 1:
@@ -201,6 +199,23 @@ def test_tensorboard_events_read_back(run):
         points = acc.Scalars(tag)
         assert [p.step for p in points] == [r["step"] for r in rows], tag  # the global step an epoch ends at
         assert [p.value for p in points] == pytest.approx([r[key] for r in rows], rel=1e-5), tag
+
+
+def test_logged_window_losses_average_to_the_epochs_train_loss(run):
+    """train/loss_step is each log window's mean batch loss over all ranks: weighted by the window's
+    batches (all of one size: drop_last), the windows of an epoch average to its train_loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run.run_dir))
+    acc.Reload()
+    windows = [(p.step, p.value) for p in acc.Scalars("train/loss_step")]
+    start = 0
+    for row in read_metrics(run):
+        epoch = [(step, loss) for step, loss in windows if start < step <= row["step"]]
+        steps = [step - before for (step, _), before in zip(epoch, [start] + [s for s, _ in epoch])]
+        assert epoch[-1][0] == row["step"] and len(epoch) == math.ceil((row["step"] - start) / 2)  # log_every=2
+        mean = sum(n * loss for n, (_, loss) in zip(steps, epoch)) / sum(steps)
+        assert mean == pytest.approx(row["train_loss"], rel=1e-5), (run.name, row["epoch"], epoch)
+        start = row["step"]
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -5,11 +5,14 @@
 On the shared finished run (conftest.trained_run): its best.pt evaluated again gives
 the logged best_acc exactly; torchrun with 2 and 3 gloo processes writes the same
 eval.json (confusion matrix, per-class figures, the worst mistakes gathered over the
-ranks); a data root with train/ val/ test/ is evaluated on test/.
+ranks, on a mislabelled copy of the images so that there are mistakes); both the EMA and the
+plain weights are evaluated when the checkpoint names them; a data root with train/ val/ test/ is evaluated on test/.
 """
 import json
+import math
 
 import pytest
+import torch
 
 import data
 import train
@@ -36,6 +39,68 @@ def single(trained_run, tmp_path_factory):
     return evaluate_with("train.py", trained_run, tmp_path_factory.mktemp("eval") / "one")
 
 
+WORST = 8  # train.worst_images for the mislabelled folder: fewer than its mistakes, so the list is cut
+
+
+@pytest.fixture(scope="module")
+def mislabelled(trained_run, tmp_path_factory):
+    """The trained run's images, half of each val/ class folder taken from the next class: the model
+    (which learnt the colours) gets about half of the 30 val images wrong, so there are worst mistakes
+    to list, and right answers that must not be among them."""
+    root = tmp_path_factory.mktemp("mislabelled")
+    classes = sorted(p.name for p in trained_run["data"].iterdir())
+    for i, name in enumerate(classes):
+        source = sorted((trained_run["data"] / name).iterdir())[:3] + \
+            sorted((trained_run["data"] / classes[(i + 1) % len(classes)]).iterdir())[3:]
+        for part, files in (("train", source[:1]), ("val", source)):
+            (root / part / name).mkdir(parents=True)
+            for src in files:
+                (root / part / name / src.name).write_bytes(src.read_bytes())
+    return root
+
+
+@pytest.fixture(scope="module")
+def mislabelled_single(trained_run, mislabelled, tmp_path_factory):
+    return evaluate_with("train.py", trained_run, tmp_path_factory.mktemp("eval") / "mislabelled", None,
+                         "--data-path", mislabelled, f"train.worst_images={WORST}")
+
+
+def test_the_worst_mistakes_are_misclassified_and_of_the_highest_loss(mislabelled_single):
+    """eval.json's val_worst: k of the images the model got wrong, highest loss first, each with the
+    probability of the class it predicted (which the true class's cannot exceed)."""
+    worst, confusion = mislabelled_single["val_worst"], mislabelled_single["val_confusion"]
+    mistakes = sum(map(sum, confusion)) - sum(confusion[c][c] for c in range(len(confusion)))
+    assert mislabelled_single["val_count"] == 30 and WORST < mistakes < 30 and len(worst) == WORST
+    classes = mislabelled_single["classes"]
+    for w in worst:
+        assert w["pred"] != w["label"] and (w["true"], w["predicted"]) == (classes[w["label"]], classes[w["pred"]])
+        assert confusion[w["label"]][w["pred"]] > 0
+        # loss = -log p(true) and p(true) <= 1 - p(predicted) for a mistake.
+        assert w["loss"] >= -math.log(1 - w["prob"]) - 1e-9 and 0 < w["prob"] < 1
+    losses = [w["loss"] for w in worst]
+    assert losses == sorted(losses, reverse=True) and len({w["index"] for w in worst}) == WORST
+
+
+@pytest.mark.parametrize("weights", ["model", "ema"])
+def test_eval_only_evaluates_the_weights_the_checkpoint_names(weights, trained_run, tmp_path):
+    """Both branches, forced: last.pt (epoch 3) with best_weights set to "model" or "ema" scores what
+    epoch 3 logged for those weights (val_acc or val_acc_ema, and their loss and macro-F1)."""
+    state = torch.load(trained_run["run_dir"] / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    forced = tmp_path / f"{weights}.pt"
+    torch.save({**state, "best_weights": weights}, forced)
+    row = json.loads((trained_run["run_dir"] / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["epoch"] == state["epoch"] == 3
+    assert row["val_loss"] != pytest.approx(row["val_loss_ema"], rel=1e-4)  # the two can be told apart
+    proc = run_entry("train.py", *trained_run["base"], "--eval-only", "--resume", forced,
+                     "--output-dir", tmp_path / "out")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    got = json.loads((tmp_path / "out" / "eval.json").read_text())
+    suffix = "_ema" if weights == "ema" else ""
+    assert got["checkpoint"] == str(forced) + (" (EMA weights)" if suffix else "")
+    assert got["val_acc"] == row["val_acc" + suffix] and got["val_macro_f1"] == row["val_macro_f1" + suffix]
+    assert got["val_loss"] == pytest.approx(row["val_loss" + suffix], rel=1e-6)
+
+
 def test_eval_only_reproduces_the_logged_best_acc(single, trained_run):
     """best.pt holds the better of the weights and their EMA (train.ema_decay): evaluated again, it
     scores the run's best_acc exactly, with that epoch's logged figures for those weights."""
@@ -53,14 +118,17 @@ def test_eval_only_reproduces_the_logged_best_acc(single, trained_run):
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_eval_only_is_exact_under_ddp(single, trained_run, tmp_path, nproc):
+def test_eval_only_is_exact_under_ddp(mislabelled_single, mislabelled, trained_run, tmp_path, nproc):
     """The worst mistakes are gathered over ranks and merged: the same images, in the same order."""
-    got = evaluate_with("train_multi_gpu_ddp.py", trained_run, tmp_path / "ddp", nproc)
+    single = mislabelled_single
+    got = evaluate_with("train_multi_gpu_ddp.py", trained_run, tmp_path / "ddp", nproc, "--data-path", mislabelled,
+                        f"train.worst_images={WORST}")
     for key in KEYS - {"val_worst", "val_loss"}:  # counts: exact; the loss sums in another order
         assert got[key] == single[key], key
     # And each rank's batches have other sizes: CPU convolutions may round float32 logits differently (5e-8 seen).
     assert got["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
     worst, single_worst = got["val_worst"], single["val_worst"]
+    assert len(worst) == WORST
     assert [(w["index"], w["pred"], w["true"]) for w in worst] == [(w["index"], w["pred"], w["true"]) for w in single_worst]
     assert [w["prob"] for w in worst] == pytest.approx([w["prob"] for w in single_worst], abs=1e-5)
     assert (tmp_path / "ddp" / "confusion_matrix.png").is_file()

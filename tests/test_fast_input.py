@@ -23,11 +23,11 @@ from PIL import Image
 from torchvision import transforms as T
 
 import data
-import engine
 from conftest import make_image_folder
 from test_gpu_pipeline import box_features, ks_statistic
-from utils import figures
+from utils import decoding, figures, normalization
 from utils.config import load_config
+from utils.samplers import ShardSampler
 
 CPU = torch.device("cpu")
 MEAN, STD = data.IMAGENET_MEAN, data.IMAGENET_STD
@@ -44,7 +44,7 @@ def loaders(root, *extra):
     cfg = load_config(["--data-path", str(root), "data.img_size=32", "data.val_resize=36", "data.num_workers=0",
                        "data.val_rate=0.5", *extra])
     train_set, val_set, _ = data.build_datasets(cfg.data)
-    val = data.make_loader(val_set, 4, data.ShardSampler(val_set), cfg.data, CPU, train=False)
+    val = data.make_loader(val_set, 4, ShardSampler(val_set), cfg.data, CPU, train=False)
     return train_set, val_set, val
 
 
@@ -52,16 +52,16 @@ def loaders(root, *extra):
 def test_validation_pixels_equal_torchvisions(tmp_path, channels_last):
     root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
     _, val_set, val = loaders(root)
-    norm = engine.input_normalization(val.dataset, CPU)
+    norm = normalization.normalization_of(val.dataset, CPU)
     got, raw = [], []
     for images, _ in val:
         raw.append(images)
-        got.append(engine.model_input(images, CPU, norm, channels_last))
+        got.append(normalization.model_input(images, CPU, norm, channels_last))
     assert all(x.dtype == torch.uint8 for x in raw)  # what the workers pass: a quarter of float32's bytes
-    assert all(x.is_contiguous(memory_format=torch.channels_last) for x in raw)  # data.collate: a plain copy
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x in raw)  # utils.loader.collate: a plain copy
     got = torch.cat(got)
     ref_val = reference(32, 36)[1]
-    expected = torch.stack([ref_val(data.load_rgb(path)) for path, _ in val_set.samples])
+    expected = torch.stack([ref_val(decoding.load_rgb(path)) for path, _ in val_set.samples])
     assert got.dtype == torch.float32 and torch.equal(got, expected)
     assert got.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
@@ -75,8 +75,8 @@ def test_train_pixels_are_torchvisions_crop_and_flip_within_one_level(tmp_path):
     torch.manual_seed(0)
     ours = torch.stack([train_set[i][0] for i in range(len(train_set))])
     torch.manual_seed(0)
-    theirs = torch.stack([ref_train(data.load_rgb(path)) for path, _ in train_set.samples])
-    ours = engine.model_input(ours, CPU, engine.input_normalization(train_set, CPU))
+    theirs = torch.stack([ref_train(decoding.load_rgb(path)) for path, _ in train_set.samples])
+    ours = normalization.model_input(ours, CPU, normalization.normalization_of(train_set, CPU))
     one_level = 1 / 255 / min(STD) + 1e-5
     assert (ours - theirs).abs().max() <= one_level
     assert (ours - theirs).abs().mean() < 0.1 * one_level  # mostly equal, not just close
@@ -101,7 +101,7 @@ def test_a_float_only_transform_after_convert_image_dtype_sees_floats_and_the_mo
         train_set.transform = tf
         torch.manual_seed(0)
         images = torch.stack([train_set[i][0] for i in range(len(train_set))])
-        batches[name] = engine.model_input(images, CPU, engine.input_normalization(train_set, CPU))
+        batches[name] = normalization.model_input(images, CPU, normalization.normalization_of(train_set, CPU))
     assert len(seen) == len(train_set)
     assert torch.allclose(batches["uint8"], batches["float"], atol=1e-5)
 
@@ -112,10 +112,10 @@ def test_the_pictures_show_the_pixels_the_model_sees(tmp_path):
     root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
     _, val_set, _ = loaders(root)
     pixels = torch.stack([val_set[i][0] for i in range(4)])
-    normalised = engine.model_input(pixels, CPU, engine.input_normalization(val_set, CPU))
-    shown = figures.denormalize(normalised, *engine.normalization(val_set))  # sample_picture's way
+    normalised = normalization.model_input(pixels, CPU, normalization.normalization_of(val_set, CPU))
+    shown = figures.denormalize(normalised, *normalization.mean_std(val_set))  # sample_picture's way
     assert torch.allclose(shown, pixels / 255, atol=1e-6)
-    assert torch.equal(figures.denormalize(pixels, *engine.normalization(val_set)), pixels / 255)  # worst_picture's
+    assert torch.equal(figures.denormalize(pixels, *normalization.mean_std(val_set)), pixels / 255)  # worst_picture's
 
 
 # --------------------------------------------------------------------------- large JPEGs decoded small
@@ -143,15 +143,15 @@ def box_from_pixels(crop, width, height):
 
 @pytest.fixture
 def decodes(monkeypatch):
-    """Every data.decode call's (scale asked, the decoded image's size)."""
-    log, real = [], data.decode
+    """Every utils.decoding.decode call's (scale asked, the decoded image's size)."""
+    log, real = [], decoding.decode
 
     def recording(img, scale=1):
         out, s = real(img, scale)
         log.append((s, out.size))
         return out, s
 
-    monkeypatch.setattr(data, "decode", recording)
+    monkeypatch.setattr(decoding, "decode", recording)
     return log
 
 
@@ -159,9 +159,9 @@ def test_crops_of_a_large_jpeg_keep_torchvisions_distribution_in_original_pixels
     W, H, n, out = 512, 384, 1000, 16
     path = tmp_path / "big.jpg"
     path.write_bytes(gradient_jpeg(W, H))
-    crop = T.Compose([data.RandomResizedCrop(out), T.RandomHorizontalFlip()])
+    crop = T.Compose([decoding.DraftRandomResizedCrop(out), T.RandomHorizontalFlip()])
     torch.manual_seed(1)
-    ours = [box_from_pixels(data.load_image(path, crop), W, H) for _ in range(n)]
+    ours = [box_from_pixels(decoding.load_image(path, crop), W, H) for _ in range(n)]
     torch.manual_seed(2)
     theirs = [T.RandomResizedCrop.get_params(torch.empty(1, H, W), (0.08, 1.0), (3 / 4, 4 / 3)) for _ in range(n)]
     bound = 1.95 * math.sqrt(2 / n)  # KS critical value at alpha = 0.001 for two samples of n
@@ -179,7 +179,7 @@ def test_crops_of_a_large_jpeg_keep_torchvisions_distribution_in_original_pixels
 def test_the_draft_scale_is_the_smallest_decode_that_keeps_the_output_size(width, height, out_w, out_h):
     for w in range(max(1, width // 7), width + 1, max(1, width // 50)):
         for h in range(max(1, height // 7), height + 1, max(1, height // 50)):
-            s = data.draft_scale(w, h, out_w, out_h)
+            s = decoding.draft_scale(w, h, out_w, out_h)
             assert s in (1, 2, 4, 8)
             assert s == 1 or (w / s >= out_w and h / s >= out_h)  # never smaller than the output
             assert s == 8 or w / (2 * s) < out_w or h / (2 * s) < out_h  # half again would be too small
@@ -192,9 +192,9 @@ def test_validation_of_a_large_jpeg_is_drafted_by_the_same_rule_and_close_to_a_f
     Image.fromarray(np.clip(np.asarray(smooth, dtype=np.int64) + grain, 0, 255).astype(np.uint8)).save(
         tmp_path / "photo.jpg", quality=90)
     val = data.build_transforms(224, 256)[1]
-    ours = data.load_image(tmp_path / "photo.jpg", val)
+    ours = decoding.load_image(tmp_path / "photo.jpg", val)
     assert decodes == [(4, (400, 300))]  # 1600 x 1200 -> 341 x 256: a quarter of each side still covers it
-    full = T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])(data.load_rgb(tmp_path / "photo.jpg"))
+    full = T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])(decoding.load_rgb(tmp_path / "photo.jpg"))
     diff = (ours.int() - full.int()).abs().double()
     assert ours.shape == full.shape and diff.mean() < 1.5 and diff.max() <= 16, (diff.mean(), diff.max())
 
@@ -208,7 +208,7 @@ def test_the_crop_resizes_on_one_thread_and_gives_the_others_back(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out = data.RandomResizedCrop(16)(Image.new("RGB", (40, 30), (10, 200, 30)))
+        out = decoding.DraftRandomResizedCrop(16)(Image.new("RGB", (40, 30), (10, 200, 30)))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

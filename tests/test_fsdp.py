@@ -241,8 +241,8 @@ def test_an_fsdp_checkpoint_resumed_by_another_script_is_one_error_line(tmp_path
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    state = ckpt.make_state(model.state_dict(), opt, sched, torch.amp.GradScaler("cpu", enabled=False), 1, 3, 0.5,
-                            {}, ["a", "b"], sharded="sharded-e001-s00000003-1")
+    state = ckpt.make_state(model.state_dict(), opt, sched, torch.amp.GradScaler("cpu", enabled=False),
+                            ckpt.RunState(1, 3, 0.5), {}, ["a", "b"], sharded="sharded-e001-s00000003-1")
     assert state["optimizer"] == {} and torch.equal(state["model"]["weight"], model.weight)
     with pytest.raises(UserError, match="optimizer state is sharded .train_multi_gpu_fsdp.py"):
         ckpt.restore(state, model, opt, sched, None, ["a", "b"])

@@ -18,25 +18,26 @@ from torchvision.transforms import functional as TF
 from torchvision import transforms as T
 
 import data
-import engine
 import train as train_script
 from conftest import FAST_ARGS, make_image_folder, run_entry
-from data import ShardSampler, build_datasets, epoch_sampler, make_loader
+from data import build_datasets, make_loader
 from torch.utils.data import DataLoader
-from utils import gpu_pipeline
+from utils import gpu_pipeline, normalization
 from utils.config import load_config
+from utils.decoding import DraftRandomResizedCrop, DraftResize
 from utils.distributed_utils import resolve_device
 from utils.errors import UserError
 from utils.gpu_pipeline import (GpuLoader, check_cache_fits, crop_theta, pinned_block_bytes, resolve_pipeline,
                                  sample_crops)
+from utils.samplers import ShardSampler, epoch_sampler
 
 
 def plain_transforms(img_size, val_resize, min_crop_scale=0.08):
     """(train, val) as data.build_transforms ships them: exactly the steps the device path reproduces."""
     norm = data.NormalizeOnDevice(data.IMAGENET_MEAN, data.IMAGENET_STD)
-    train = T.Compose([data.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
+    train = T.Compose([DraftRandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
                        norm])
-    return train, T.Compose([data.Resize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
+    return train, T.Compose([DraftResize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +130,7 @@ def _loaders(cfg, device=torch.device("cpu")):
 
 def test_validation_matches_pil_path_on_same_weights(tmp_path):
     """Same weights, PIL vs gpu val loader: the same logits, so the same accuracy. The PIL loader's uint8
-    batches go through the loop's own device pass (engine.model_input); the gpu loader's are float already."""
+    batches go through the loop's own device pass (normalization.model_input); the gpu loader's are float already."""
     root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
     torch.manual_seed(0)
     from model import create_model
@@ -138,9 +139,9 @@ def test_validation_matches_pil_path_on_same_weights(tmp_path):
     cpu = torch.device("cpu")
     for pipe in ("pil", "gpu"):
         _, val = _loaders(_cfg(root, f"data.pipeline={pipe}"))
-        norm = engine.input_normalization(val.dataset, cpu)
+        norm = normalization.normalization_of(val.dataset, cpu)
         with torch.no_grad():
-            logits, labels = zip(*[(model(engine.model_input(x, cpu, norm)), y) for x, y in val])
+            logits, labels = zip(*[(model(normalization.model_input(x, cpu, norm)), y) for x, y in val])
         outs[pipe] = torch.cat(logits), torch.cat(labels)
     assert torch.equal(outs["pil"][1], outs["gpu"][1])
     assert len(outs["gpu"][1]) == 20  # every val image exactly once (ShardSampler, no padding)
@@ -296,6 +297,71 @@ def test_the_loader_checks_the_budget_before_decoding(tmp_path, monkeypatch):
                     procs_per_node=2)
 
 
+GIB = 2**30
+
+
+@pytest.mark.parametrize("gpu_free, host_available, refusal", [
+    # 10,000 images at 320 px: a 2.86 GiB cache. 8 processes x 8 workers: 17 chunks of 32 in flight each.
+    (80 * GIB, 4 * GIB, None),  # a whole host copy per process would need 8 x 2 x 2.86 GiB of the host
+    (80 * GIB, 2 * GIB, "would cache 159.4 MiB in host memory on its way to cuda:0, over half of the "
+                        "2.00 GiB available / 8 processes on this node"),
+    (4 * GIB, 64 * GIB, "would cache 2.86 GiB in the memory of cuda:0, over half of the 4.00 GiB available"),
+])
+def test_a_device_cache_counts_its_gpu_and_the_nodes_host_memory(gpu_free, host_available, refusal, monkeypatch):
+    """The cache on the GPU is built there chunk by chunk: the node's host memory must hold every
+    process's chunks in flight at once, not a copy of the cache per process."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gpu_free, 141 * GIB))
+    monkeypatch.setattr(gpu_pipeline, "host_available_bytes", lambda: host_available)
+    why = gpu_pipeline.cache_memory_refusal(10_000, 3 * 320 * 320, torch.device("cuda", 0), on_device=True,
+                                            pin=False, workers=8, procs_per_node=8)
+    assert why == (refusal and "data.pipeline=gpu " + refusal)
+
+
+def test_a_device_cache_short_of_host_memory_is_refused_under_once(tmp_path, monkeypatch):
+    """data.gpu_decode=once, the cache on cuda:0 with room on the GPU, but not enough host memory for the
+    node's processes to decode it: one line, before anything is decoded or put on the device (on this CPU
+    machine anything put on cuda:0 would raise)."""
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    cfg = _cfg(root, "data.pipeline=gpu", "data.cache_size=64", "data.gpu_decode=once")
+    train_set, _, _ = build_datasets(cfg.data)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * GIB, 141 * GIB))
+    monkeypatch.setattr(gpu_pipeline, "host_available_bytes", lambda: 900_000)
+    monkeypatch.setattr(gpu_pipeline, "build_cache", lambda *a, **k: pytest.fail("decoded before the check"))
+    # 20 images x 3 x 64 x 64 = 0.2 MiB in flight (fewer than a chunk), 2 processes: over half of 450 kB.
+    with pytest.raises(UserError, match=r"^data.pipeline=gpu would cache 0.2 MiB in host memory on its way to "
+                                        r"cuda:0, over half of the 0.9 MiB available / 2 processes on this node"):
+        GpuLoader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, torch.device("cuda", 0), True,
+                  verbose=False, procs_per_node=2)
+
+
+def test_the_cache_is_built_chunk_by_chunk_into_its_destination(tmp_path):
+    """build_cache copies each decoded chunk straight into the cache tensor: with the cache on another
+    device (here 'meta', which stands for the GPU and takes no memory) no host tensor larger than a
+    chunk is ever made. Neither the chunk size nor a worker changes what is cached."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    root = make_image_folder(tmp_path / "f", per_class=8, size=(52, 40))
+    train_set, _, _ = build_datasets(_cfg(root, "data.pipeline=gpu").data)
+    item, size, chunk = gpu_pipeline._TrainCacheItem(64), 3 * 64 * 64, 4
+    largest = []
+
+    class HostTensors(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    largest.append(t.untyped_storage().nbytes())
+            return out
+
+    on_device = torch.empty(len(train_set), 3, 64, 64, dtype=torch.uint8, device="meta")
+    with HostTensors():
+        sizes, labels = gpu_pipeline.build_cache(train_set, item, 0, on_device, chunk=chunk)
+    assert len(train_set) == 20 and max(largest) == chunk * size  # the collated chunk; the cache is 5 times that
+    assert labels.tolist() == [label for _, label in train_set.samples] and (sizes == torch.tensor([40, 52])).all()
+    chunked, whole = (torch.empty(20, 3, 64, 64, dtype=torch.uint8) for _ in range(2))
+    assert torch.equal(gpu_pipeline.build_cache(train_set, item, 0, chunked, chunk=chunk)[1], labels)
+    gpu_pipeline.build_cache(train_set, item, 1, whole, chunk=32)
+    assert torch.equal(chunked, whole) and chunked.float().std() > 10
+
 def test_make_loader_passes_channels_last_on_cuda_only(tmp_path, monkeypatch):
     """model.channels_last reaches the device path's loader on CUDA (else the loop converts every
     batch again); on the CPU it stays off, as for the model. GpuLoader is recorded, not built, for cuda."""
@@ -444,18 +510,40 @@ def test_per_batch_decoding_falls_back_per_image_for_what_is_not_a_plain_jpeg(tm
     assert "warning: skipping unreadable image: cannot decode" in capsys.readouterr().err
     dataset.bad_status.zero_()  # the PIL path meets the truncated file afresh
     pil = DataLoader(dataset, 4, sampler=ShardSampler(dataset))
-    norm = engine.input_normalization(dataset, cpu)  # the PIL path's uint8 batches, as the loop normalises them
+    norm = normalization.normalization_of(dataset, cpu)  # the PIL path's uint8 batches, as the loop normalises them
     for (x, y), (xp, yp) in zip(got, pil):
         assert torch.equal(y, yp)  # the truncated file's slot: the same substitute
-        xp = engine.model_input(xp, cpu, norm)
+        xp = normalization.model_input(xp, cpu, norm)
         assert (x - xp).abs().max() < 0.1, (x - xp).abs().max()  # a level or two of uint8 rounding
     assert sum(len(y) for _, y in got) == 19
+
+
+def _watch_decodes(monkeypatch):
+    """-> (weak references to every full-size image decoded, at each forward of the model how many of them
+    are alive, the hook to remove when done)."""
+    import weakref
+    real, decoded, alive = gpu_pipeline._decode_jpegs, [], []
+
+    def decode(parts, device):
+        images = real(parts, device)
+        decoded.extend(weakref.ref(img) for img in images)
+        return images
+
+    def count_alive(module, args):
+        # The model's modules only: the val Resize and CenterCrop are modules too, and run on the decodes.
+        if decoded and next(module.parameters(), None) is not None:
+            alive.append(sum(ref() is not None for ref in decoded))
+
+    monkeypatch.setattr(gpu_pipeline, "_decode_jpegs", decode)
+    return decoded, alive, torch.nn.modules.module.register_module_forward_pre_hook(count_alive)
 
 
 @pytest.mark.slow
 def test_per_batch_decoding_trains_and_resumes_mid_epoch_exactly(tmp_path, monkeypatch, capsys):
     """train.py's main with data.gpu_decode=per_batch and a worker: a run stopped by Ctrl-C in epoch 2
-    and resumed ends with the weights and metrics of the run that was not stopped."""
+    and resumed ends with the weights and metrics of the run that was not stopped. In the run that is not
+    stopped, no full-size decode is still alive at any forward of the model (training step or evaluation):
+    each batch lets go of them before it is handed on."""
     import signal
 
     from _resume_utils import assert_same_run, metrics, run_args, run_main
@@ -463,9 +551,14 @@ def test_per_batch_decoding_trains_and_resumes_mid_epoch_exactly(tmp_path, monke
     keys = ["data.pipeline=gpu", "data.gpu_decode=per_batch", "data.num_workers=1", "data.val_rate=0.5"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    decodes, alive, hook = _watch_decodes(monkeypatch)
     try:
-        assert run_main(train_script, run_args(root, tmp_path / "straight", *keys, epochs=2), monkeypatch) == 0
+        try:
+            assert run_main(train_script, run_args(root, tmp_path / "straight", *keys, epochs=2), monkeypatch) == 0
+        finally:
+            hook.remove()
         assert "JPEGs decoded on cpu every batch" in capsys.readouterr().out
+        assert len(decodes) == 2 * (2 * 4 + 10) and alive == [0] * len(alive) and alive  # 2 steps, 10 val images
         real, decoded = gpu_pipeline.JpegBatches.decode, []
 
         def decode_then_interrupt(self, parts, meta):

@@ -143,3 +143,33 @@ def test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(dat
     state = load(out / "checkpoints" / "last.pt")
     assert state["global_step"] == 4
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+
+
+def test_a_sigterm_to_one_rank_during_evaluation_stops_every_rank_after_the_epoch(data, tmp_path):
+    """Rank 1 alone is signalled, while it evaluates epoch 1: its training windows are over, so the
+    vote after evaluation is what tells rank 0. Both stop with epoch 1's checkpoint, in one line."""
+    out = tmp_path / "run"
+    r = run_entry("tests/_faults.py", "term:1:1", DDP, *run_args(data, out, *EXTRA, epochs=3), nproc=2,
+                  timeout=240)
+    log = r.stdout + r.stderr
+    errors = [x for x in log.splitlines() if x.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1, log[-3000:]  # one line, from rank 0, which was not signalled
+    assert errors[0].startswith("error: stopped by a stop request on another rank after epoch 1, global step 3")
+    assert [m["epoch"] for m in metrics(out)] == [1] and load(out / "checkpoints" / "last.pt")["epoch"] == 1
+
+
+def test_a_failed_save_on_rank_0_stops_every_rank_in_one_line(data, tmp_path):
+    """Rank 0 cannot write epoch 2's checkpoint (disk full); rank 1, which writes nothing, hears of it in
+    the vote after the save and stops too, instead of training on into a collective rank 0 never joins."""
+    out, raised = tmp_path / "run", tmp_path / "raised.tsv"
+    r = run_entry("tests/_faults.py", "nospace:0:2", DDP, *run_args(data, out, *EXTRA, epochs=3), nproc=2,
+                  timeout=240, env={"FAULT_ERRORS": str(raised)})
+    log = r.stdout + r.stderr
+    errors = [x for x in log.splitlines() if x.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and "could not write checkpoint" in errors[0], log[-3000:]
+    assert "No space left on device" in errors[0]
+    # Rank 1 stopped at the save itself, on the vote's word (torchrun would have ended it anyway once
+    # rank 0 exited, so the printed lines alone cannot tell; the error it raised, unprinted, can).
+    by_rank = dict(line.split("\t", 1) for line in raised.read_text().splitlines())
+    assert by_rank.get("1") == "rank 0 could not write its checkpoint; stopping", by_rank
+    assert load(out / "checkpoints" / "last.pt")["epoch"] == 1 and [m["epoch"] for m in metrics(out)] == [1]

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from torchvision import transforms as T
 
 import data
 import engine
@@ -20,6 +21,11 @@ import train
 from _resume_utils import one_thread, run_args, run_main  # noqa: F401
 from conftest import make_image_folder
 from utils.config import load_config
+from utils.errors import UserError
+from utils.gpu_pipeline import GpuLoader
+from utils.loader import PersistentLoader
+from utils.sample_list import SampleList
+from utils.samplers import ShardSampler, epoch_sampler
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +40,9 @@ def epochs_of_batches(root, persistent, seeds, cut_short=()):
     cfg = load_config([f"data.path={root}", "data.num_workers=2", "data.img_size=16", "data.val_resize=18",
                        f"data.persistent_workers={str(persistent).lower()}"])
     train_set, _, _ = data.build_datasets(cfg.data)
-    sampler = data.epoch_sampler(train_set, seed=7)
+    sampler = epoch_sampler(train_set, seed=7)
     loader = data.make_loader(train_set, 4, sampler, cfg.data, torch.device("cpu"), train=True)
-    assert isinstance(loader, data.PersistentLoader) == persistent
+    assert isinstance(loader, PersistentLoader) == persistent
     seen = []
     for epoch, seed in enumerate(seeds):
         sampler.set_epoch(epoch)
@@ -62,21 +68,37 @@ def test_persistent_workers_give_each_epoch_the_batches_fresh_workers_give(root)
         assert torch.equal(kept[epoch], fresh[epoch]), f"epoch {epoch + 1} differs"
 
 
+def test_the_input_path_is_chosen_from_the_datasets_own_transform(root):
+    """data.pipeline=gpu reproduces the transform the dataset holds, and the held-out set takes the path
+    of the training transform it was built beside: an augmentation added to the dataset itself (not in
+    data.build_transforms) is refused by name on both loaders."""
+    cfg = load_config([f"data.path={root}", "data.num_workers=0", "data.img_size=16", "data.val_resize=18",
+                       "data.pipeline=gpu"])
+    cpu, (train_set, val_set, _) = torch.device("cpu"), data.build_datasets(cfg.data)
+    pairs = ((train_set, True), (val_set, False))
+    assert all(isinstance(data.make_loader(ds, 2, ShardSampler(ds), cfg.data, cpu, train=t), GpuLoader)
+               for ds, t in pairs)
+    train_set.transform.transforms.insert(1, T.ColorJitter(0.4))
+    for ds, t in pairs:
+        with pytest.raises(UserError, match="also has ColorJitter"):
+            data.make_loader(ds, 2, ShardSampler(ds), cfg.data, cpu, train=t)
+
+
 def test_sample_list_reads_as_the_list_of_pairs_it_packs(tmp_path):
     pairs = [("/data/a/x.jpg", 0), ("/data/b/\udcff-not-utf8.jpg", 3), ("/data/c/é.png", 1)]
-    samples = data.SampleList(pairs)
+    samples = SampleList(pairs)
     assert len(samples) == 3 and list(samples) == pairs
     assert samples[1] == pairs[1] and samples[-1] == pairs[-1] and samples[0][0] == "/data/a/x.jpg"
     with pytest.raises(IndexError):
         samples[3]
     assert list(pickle.loads(pickle.dumps(samples))) == pairs  # spawned workers, broadcast_object
-    assert not data.SampleList([])
+    assert not SampleList([])
     ds = data.ImageList(pairs)
-    assert isinstance(ds.samples, data.SampleList) and ds.targets == [0, 3, 1] and len(ds) == 3
+    assert isinstance(ds.samples, SampleList) and ds.targets == [0, 3, 1] and len(ds) == 3
     # The bytes of a name that is not UTF-8 reach the file system unchanged.
     name = os.fsencode("\udcff-not-utf8.jpg")
     (tmp_path / os.fsdecode(name)).write_bytes(b"")
-    assert os.path.exists(data.SampleList([(str(tmp_path / os.fsdecode(name)), 0)])[0][0])
+    assert os.path.exists(SampleList([(str(tmp_path / os.fsdecode(name)), 0)])[0][0])
 
 
 @pytest.mark.slow

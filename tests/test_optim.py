@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 from test_engine import MarkingLoader, sync_log  # noqa: F401 - sync_log is a fixture
 from utils.config import load_config
-from engine import Criterion, EpochHooks, Step, train_one_epoch
+from engine import Criterion, EpochHooks, Step, class_weights, train_one_epoch
 from utils.errors import UserError
-from utils.optim import (AutocastForward, WeightEMA, batch_mixer, build_optimizer, build_scaler, build_scheduler,
-                         class_weights, load_optimizer_state, resolve_amp)
+from train_multi_gpu_dp import AutocastForward
+from utils.mixing import batch_mixer
+from utils.optim import WeightEMA, build_optimizer, build_scaler, build_scheduler, load_optimizer_state, resolve_amp
 from utils.run_logger import RunLogger
 
 CPU = torch.device("cpu")
@@ -288,10 +289,10 @@ def test_label_smoothing_matches_cross_entropy(smoothing):
     expected = torch.nn.functional.cross_entropy(model(data[0][0]), data[0][1], label_smoothing=smoothing)
     model.train = lambda mode=True: model  # keep eval mode inside the loop (no batch statistics)
     out, _, _ = one_epoch(model, data, label_smoothing=smoothing)
-    assert out["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert out.metrics["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
     if smoothing:
         plain = torch.nn.functional.cross_entropy(small_net().eval()(data[0][0]), data[0][1])
-        assert abs(out["train_loss"] - plain.item()) > 1e-3  # the smoothing did change the loss
+        assert abs(out.metrics["train_loss"] - plain.item()) > 1e-3  # the smoothing did change the loss
 
 
 def grad_norm(params):
@@ -350,8 +351,8 @@ def test_auto_class_weights_are_inverse_frequency_and_weight_the_loss():
     expected = (w * nll).sum() / w.sum()  # torch's weighted mean: sum_i w_yi * nll_i / sum_i w_yi
     model.train = lambda mode=True: model
     out, _, _ = one_epoch(model, data, class_weight=weights)
-    assert out["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
-    assert abs(out["train_loss"] - nll.mean().item()) > 1e-2  # the weights did change the loss
+    assert out.metrics["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert abs(out.metrics["train_loss"] - nll.mean().item()) > 1e-2  # the weights did change the loss
     assert class_weights([1, 2.5, 3], labels, 3, CPU).tolist() == [1.0, 2.5, 3.0]
     assert class_weights("none", labels, 3, CPU) is None
     with pytest.raises(UserError, match="has 3 weights, the data has 4 classes"):
@@ -374,8 +375,8 @@ def test_mixup_and_cutmix_train_on_soft_targets(mixup, cutmix):
     model.train = lambda mode=True: model
     torch.manual_seed(5)  # the loop draws from the global generator, as the per-epoch seeding sets it
     out, _, _ = one_epoch(model, data, mix=batch_mixer(mixup, cutmix, 3))
-    assert out["train_loss"] == pytest.approx(expected, rel=1e-6)
-    assert abs(out["train_loss"] - plain) > 1e-3
+    assert out.metrics["train_loss"] == pytest.approx(expected, rel=1e-6)
+    assert abs(out.metrics["train_loss"] - plain) > 1e-3
     assert batch_mixer(0.0, 0.0, 3) is None
 
 
@@ -390,7 +391,7 @@ def test_ema_equals_a_hand_computed_average_of_the_weights(accum):
     opt = build_optimizer(model, optim_cfg(lr=0.1))
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, 6 // accum)
     out = run_epoch(model, loader, opt, sched, ema=ema, accum_steps=accum)
-    assert out["global_step"] == 6 // accum
+    assert out.global_step == 6 // accum
     weights = loader.marks[::accum] + [{k: v.double() for k, v in model.state_dict().items()}]
     hand = copy.deepcopy(weights[0])
     for w in weights[1:]:
@@ -416,7 +417,7 @@ def test_accumulation_trains_whole_steps_and_leaves_a_short_tail_out():
     steps = []
     opt.register_step_post_hook(lambda *a: steps.append(1))
     out = run_epoch(model, loader, opt, sched, accum_steps=2)
-    assert (len(steps), out["global_step"], len(loader.marks)) == (2, 2, 4)
+    assert (len(steps), out.global_step, len(loader.marks)) == (2, 2, 4)
     assert sched.last_epoch == 2  # the schedule counts optimizer steps
 
 
@@ -496,7 +497,7 @@ def test_fused_sgd_after_a_skipped_first_step_takes_plain_sgds_step():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(fused):
+def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(fused, monkeypatch):
     """Under fp16 a skipped step's pre-clip norm is inf; train/grad_norm used to log inf for any window
     holding one. It is the mean over the window's finite steps, and train/skipped_steps counts the rest."""
     if fused and not _cpu_fused("sgd"):
@@ -513,11 +514,16 @@ def test_fp16_grad_norm_is_the_finite_steps_mean_and_skipped_steps_are_counted(f
     opt = build_optimizer(model, optim_cfg(lr=0.1), fused=fused)
     sched = build_scheduler(opt, optim_cfg(lr=0.1), 1, len(data))
     logger = ScalarLog()
+    norms, real_clip = [], torch.nn.utils.clip_grad_norm_  # each step's pre-clip norm, as the loop gets it
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: norms.append(real_clip(*a, **k)) or
+                        norms[-1])
     run_epoch(model, data, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0), logger=logger, log_every=4,
               clip_grad_norm=100.0)
     logged = {tag: v for tag, v, _ in logger.scalars}
     assert logged["train/skipped_steps"] == 1
-    assert 0 < logged["train/grad_norm"] < 100  # the three finite steps' mean (each norm is ~1)
+    finite = [n.item() for n in norms if torch.isfinite(n)]
+    assert len(norms) == 4 and len(finite) == 3
+    assert logged["train/grad_norm"] == pytest.approx(sum(finite) / 3, rel=1e-6)  # the mean, not the sum
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -543,3 +549,32 @@ def test_restored_optimizer_state_takes_the_parameters_layout(name, fused):
         assert restored.state[conv][key].stride() == conv.stride(), key
         assert torch.equal(restored.state[conv][key], saved["state"][0][key]), key
     scaled_step(resumed, restored, build_scaler(None, CPU), batches(1)[0])  # and it steps
+
+
+@pytest.mark.parametrize("saved_world, world", [(1, 2), (4, 2)])
+def test_a_schedule_resumed_at_another_world_size_continues_as_an_uninterrupted_run_of_that_size(saved_world,
+                                                                                                 world):
+    """An elastic restart at another world size: the restored optimizer and schedule hold the old run's
+    scaled lr and step count (in its own steps per epoch). place_schedule puts them at this run's step,
+    with this run's scaled lr, and every later step's lr is that of a run of this size from the start."""
+    from utils.optim import place_schedule
+    cfg, epochs, images = optim_cfg(lr=0.01, lrf=0.1, warmup_epochs=0.5), 3, 40
+    saved_steps, steps = images // (4 * saved_world), images // (4 * world)  # batch 4 per rank
+    old = build_optimizer(torch.nn.Linear(2, 2), cfg, saved_world)
+    old_sched = build_scheduler(old, cfg, epochs, saved_steps)
+    for _ in range(saved_steps):  # epoch 1 at the saved world size, then the restart
+        old.step()
+        old_sched.step()
+    opt = build_optimizer(torch.nn.Linear(2, 2), cfg, world)
+    sched = build_scheduler(opt, cfg, epochs, steps)
+    opt.load_state_dict(old.state_dict())
+    sched.load_state_dict(old_sched.state_dict())
+    place_schedule(sched, cfg, world, epochs, steps, steps)
+    lrs = []
+    for _ in range((epochs - 1) * steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    straight, final = lrs_per_step(cfg, epochs, steps, world_size=world)
+    assert lrs == pytest.approx(straight[steps:], rel=1e-9) and opt.param_groups[0]["lr"] == pytest.approx(final)
+    assert lrs[0] != pytest.approx(old.param_groups[0]["lr"])  # the restored lr alone would be wrong

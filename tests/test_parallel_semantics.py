@@ -73,7 +73,8 @@ def model_tensors(run_dir):
 
 def evaluate_checkpoint(run_dir, image_root):
     """One process, one thread (as the workers): evaluate() of run_dir's last.pt, as train.py would."""
-    from data import ShardSampler, build_datasets, make_loader
+    from data import build_datasets, make_loader
+    from utils.samplers import ShardSampler
     from model import build_model
     from utils.config import load_config
     from engine import evaluate

@@ -3,7 +3,7 @@
     python -m pytest tests/test_predict.py -q
 
 Its top-1 equals the argmax of the model evaluate() scores (same checkpoint, same
-validation transform); a corrupt image among good ones is warned about and
+validation transform) and its probabilities are their softmax; a corrupt image among good ones is warned about and
 skipped; each bad input is one `error:` line, a non-zero exit, and nothing written.
 """
 import csv
@@ -13,11 +13,11 @@ import pytest
 import torch
 import yaml
 
-import engine
 import predict
 from conftest import checkpoint_with_sizes, run_entry
 from data import ImageList, build_transforms
 from model import create_model
+from utils import normalization
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +40,20 @@ def test_top1_equals_the_evaluated_models_argmax(trained_run, tmp_path):
     # The same images through evaluate()'s path: data.py's val transform and the checkpoint's weights.
     state = torch.load(run_dir / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
     model = create_model("resnet18", num_classes=5)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state[state["best_weights"]])  # the weights that scored best: what predict.py loads
     val_tf = build_transforms(32, 36)[1]
     images = ImageList([(r["path"], 0) for r in rows], val_tf)
     batch = torch.stack([images[i][0] for i in range(len(rows))])  # uint8: normalised as the loop does
     cpu = torch.device("cpu")
-    batch = engine.model_input(batch, cpu, engine.input_normalization(images, cpu))
+    batch = normalization.model_input(batch, cpu, normalization.normalization_of(images, cpu))
     with torch.no_grad():
-        argmax = model.eval()(batch).argmax(1).tolist()
-    assert [r["class1"] for r in rows] == [state["classes"][i] for i in argmax]
-    assert all(float(r["prob1"]) >= float(r["prob2"]) for r in rows)
+        logits = model.eval()(batch)
+    assert [r["class1"] for r in rows] == [state["classes"][i] for i in logits.argmax(1).tolist()]
+    # Each of the five columns is the softmax of those logits, to the 6 decimals written.
+    top = logits.softmax(1).topk(5, dim=1)
+    for row, probs, classes in zip(rows, top.values.tolist(), top.indices.tolist()):
+        assert [row[f"class{k}"] for k in range(1, 6)] == [state["classes"][c] for c in classes]
+        assert [float(row[f"prob{k}"]) for k in range(1, 6)] == pytest.approx(probs, abs=2e-6)
 
 
 def test_a_corrupt_image_is_warned_and_skipped_json_out(trained_run, tmp_path, capsys):

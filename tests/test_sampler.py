@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from data import BalancedSampler, ImageList, epoch_sampler
+from data import ImageList
+from utils.samplers import BalancedSampler, epoch_sampler
 
 # Class sizes 50, 10, 3, 2 and no image of class 2: 65 images, 4 classes present.
 SIZES = {0: 50, 1: 10, 3: 3, 4: 2}

@@ -222,7 +222,8 @@ def links_text(n, peer, links):
 def sample_bytes(data_cfg):
     """Bytes of one training sample as the loader workers send it: the training transform run on a
     test JPEG (uint8 by default; float32 where an added transform converts it)."""
-    from data import build_transforms, load_image
+    from data import build_transforms
+    from utils.decoding import load_image
     train, _ = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "probe.jpg")
@@ -233,7 +234,8 @@ def sample_bytes(data_cfg):
 
 def shm_need(cfg, device, procs_on_node):
     """Bytes this node's loaders may hold in /dev/shm at once, and how that was counted."""
-    from data import PREFETCH_FACTOR, resolve_num_workers  # num_workers=-1: what the training resolves
+    from data import resolve_num_workers  # num_workers=-1: what the training resolves
+    from utils.loader import PREFETCH_FACTOR
     workers = resolve_num_workers(cfg.data.num_workers, device, procs_on_node)
     image = sample_bytes(cfg.data)
     per_proc = workers * PREFETCH_FACTOR * cfg.train.batch_size * image

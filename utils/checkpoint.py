@@ -26,7 +26,9 @@ import shlex
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -124,9 +126,29 @@ def atomic_link(src, dst):
         raise
 
 
-def make_state(model, optimizer, scheduler, scaler, epoch, global_step, best_acc, config, classes,
-               ranks=None, epoch_step=0, epoch_lr=None, data=None, ema=None, best_weights="model", sharded=None):
-    """The checkpoint dict. `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
+@dataclass
+class RunState:
+    """Where a run stands, in one place: what every epoch moves on, every checkpoint saves (make_state)
+    and a resume restores (restore)."""
+    epoch: int = 0                      # epochs finished: the next one to train
+    global_step: int = 0                # optimizer steps taken
+    best_acc: float = -1.0
+    best_weights: str = "model"         # which weights scored best_acc: "model", or "ema" (train.ema_decay)
+    resume_at: Optional[dict] = None    # not saved: a mid-epoch checkpoint's point in its epoch (resume_point)
+
+    def saved(self):
+        return {"epoch": self.epoch, "global_step": self.global_step, "best_acc": self.best_acc,
+                "best_weights": self.best_weights}
+
+    @classmethod
+    def of(cls, state):
+        """A checkpoint's run state (best_weights "model" in one written before the EMA existed)."""
+        return cls(state["epoch"], state["global_step"], state["best_acc"], state.get("best_weights", "model"))
+
+
+def make_state(model, optimizer, scheduler, scaler, run_state, config, classes, ranks=None, epoch_step=0,
+               epoch_lr=None, data=None, ema=None, sharded=None):
+    """The checkpoint dict of `run_state` (a RunState). `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
     (distributed_utils.gather_objects); `epoch_step` > 0 marks a checkpoint written mid-epoch. With an EMA
     (utils.optim.WeightEMA) its weights are kept under "ema". `model` may be a state dict already (FSDP's
     full weights); `sharded` names the directory holding an FSDP run's model and optimizer shards."""
@@ -137,12 +159,9 @@ def make_state(model, optimizer, scheduler, scaler, epoch, global_step, best_acc
         "optimizer": {} if sharded else optimizer.state_dict(),  # FSDP's is in the shards
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
-        "epoch": epoch,                 # epochs completed; a resumed run starts at this index
+        **run_state.saved(),            # epoch: epochs completed, a resumed run starts at this index
         "epoch_step": epoch_step,       # loader batches of epoch `epoch` already trained (0: at an epoch boundary)
         "epoch_lr": epoch_lr,           # lr at the start of that epoch, for its metrics line
-        "global_step": global_step,
-        "best_acc": best_acc,
-        "best_weights": best_weights,   # which weights scored best_acc: "model", or "ema" (train.ema_decay)
         "config": config,
         "classes": list(classes),
         "data": data or {},             # seed, world_size, batch_size, steps_per_epoch: the data order
@@ -269,7 +288,7 @@ def restore(state, model, optimizer, scheduler, scaler, classes, model_name=None
         ema.module.load_state_dict(state["ema"])
     elif ema is not None:
         ema.reset()
-    return state["epoch"], state["global_step"], state["best_acc"]
+    return RunState.of(state)
 
 
 def load_weights(model, weights):
@@ -360,28 +379,26 @@ def resume_point(state, rank, layout):
 
 
 class Checkpointer:
-    """Saves the run's objects; `save` is called by every rank (it gathers every rank's state)."""
+    """Saves the run's objects; `save` is called by every rank (it gathers every rank's state).
+    `step`: what holds the optimizer, scheduler, scaler, EMA and device (engine.Step)."""
 
-    def __init__(self, ckpt_dir, model, optimizer, scheduler, scaler, config, classes, layout,
-                 keep_last, rank, device, ema=None):
-        self.ckpt_dir, self.model, self.optimizer, self.ema = Path(ckpt_dir), model, optimizer, ema
-        self.scheduler, self.scaler, self.config, self.classes = scheduler, scaler, config, classes
-        self.layout, self.keep_last, self.rank, self.device = layout, keep_last, rank, device
+    def __init__(self, ckpt_dir, model, step, config, classes, layout, keep_last, rank):
+        self.ckpt_dir, self.model, self.step = Path(ckpt_dir), model, step
+        self.config, self.classes, self.layout, self.keep_last, self.rank = config, classes, layout, keep_last, rank
 
-    def save(self, epoch, global_step, best_acc, is_best=False, epoch_step=0, loss_sum=0.0,
-             images_seen=0, epoch_lr=None, best_weights="model"):
+    def save(self, run_state, is_best=False, epoch_step=0, loss_sum=0.0, images_seen=0, epoch_lr=None):
         ranks = gather_objects({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
         model, sharded, error = self.model, None, None
         if is_sharded(self.model):  # every rank writes its shards, then gathers the full weights to rank 0
-            sharded = f"sharded-e{epoch:03d}-s{global_step:08d}-{os.getpid()}"
+            sharded = f"sharded-e{run_state.epoch:03d}-s{run_state.global_step:08d}-{os.getpid()}"
             sharded = broadcast_object(sharded)
-            save_sharded(self.model, self.optimizer, self.ckpt_dir, sharded, self.rank)
+            save_sharded(self.model, self.step.optimizer, self.ckpt_dir, sharded, self.rank)
             model = full_state_dict(self.model)
         if self.rank == 0:
-            state = make_state(model, self.optimizer, self.scheduler, self.scaler, epoch, global_step,
-                               best_acc, self.config, self.classes, ranks=ranks, epoch_step=epoch_step,
-                               epoch_lr=epoch_lr, data=self.layout, ema=self.ema, best_weights=best_weights,
-                               sharded=sharded)
+            step = self.step
+            state = make_state(model, step.optimizer, step.scheduler, step.scaler, run_state, self.config,
+                               self.classes, ranks=ranks, epoch_step=epoch_step, epoch_lr=epoch_lr,
+                               data=self.layout, ema=step.ema, sharded=sharded)
             try:
                 # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
                 save_checkpoint(state, self.ckpt_dir, is_best, self.keep_last if epoch_step == 0 else 0)
@@ -391,5 +408,8 @@ class Checkpointer:
                 error = e
         # Every rank joins this vote, so a failed save on rank 0 stops all ranks instead of
         # leaving them to wait in the next collective.
-        if any_rank(error is not None, self.device):
-            raise error or UserError("rank 0 could not write its checkpoint; stopping", exit_code=RUNTIME_EXIT)
+        if any_rank(error is not None, self.step.device):
+            # One line for all: rank 0 prints its own, the others wait for it (cli.print_error).
+            error = error or UserError("rank 0 could not write its checkpoint; stopping", exit_code=RUNTIME_EXIT)
+            error.every_rank = True
+            raise error

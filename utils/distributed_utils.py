@@ -79,12 +79,6 @@ def resolve_device(requested="auto"):
     return torch.device("cuda", index)
 
 
-def use_channels_last(requested, device):
-    """model.channels_last holds on CUDA only: NHWC feeds the tensor cores' convolutions there,
-    while on the CPU it slows most convolutions down."""
-    return bool(requested) and device.type == "cuda"
-
-
 def use_device(device):
     """Make `device` (from resolve_device or init_distributed_mode) this process's current device."""
     if device.type == "cuda":

@@ -1,7 +1,8 @@
 """The run's pictures: confusion matrix and image grids (samples, worst mistakes), and one chart.
 
-Each function returns an RGB uint8 array (H, W, 3); RunLogger hands it to TensorBoard
-(add_image) and eval-only runs save it as a PNG (save_png). Only rank 0 calls these.
+The drawing functions return an RGB uint8 array (H, W, 3); RunLogger hands it to TensorBoard
+(add_image) and eval-only runs save it as a PNG (save_png). Only rank 0 draws: sample_picture and
+epoch_pictures, which the loop calls, do nothing on a disabled logger.
 
 The per-epoch pictures are drawn with PIL, straight into pixels, in the DejaVu Sans font that
 matplotlib ships: a few milliseconds each, where a matplotlib figure's text layout took about a
@@ -12,10 +13,13 @@ save_png (eval-only's two files) is matplotlib's imsave.
 import functools
 import importlib.util
 import os
+import time
 import warnings
 
 import numpy as np
 import torch
+
+from utils.normalization import denormalize, mean_std
 
 # ColorBrewer's 9-class "Blues" (matplotlib's "Blues" colormap): light for 0, dark blue for 1.
 _BLUES = np.array([[247, 251, 255], [222, 235, 247], [198, 219, 239], [158, 202, 225], [107, 174, 214],
@@ -101,20 +105,6 @@ def confusion_matrix_image(confusion, classes):
     return np.asarray(img).copy()
 
 
-def denormalize(images, mean=None, std=None):
-    """(N, 3, H, W) normalized tensors -> the same in [0, 1]; per-image min-max without mean/std.
-    uint8 images (data.py's transforms, before the loop normalises them) are pixels: /255."""
-    if images.dtype == torch.uint8:
-        return images.detach().cpu().float() / 255
-    images = images.detach().float().cpu()
-    if mean is not None and std is not None:
-        images = images * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
-    else:
-        low = images.amin(dim=(1, 2, 3), keepdim=True)
-        images = (images - low) / (images.amax(dim=(1, 2, 3), keepdim=True) - low).clamp(min=1e-8)
-    return images.clamp(0, 1)
-
-
 def image_grid(images, titles, colours=None, title=None, cols=None, cell=112):
     """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`), in one mosaic."""
     from PIL import Image, ImageDraw
@@ -172,3 +162,36 @@ def grouped_bars(groups, series, values, colours, title, ylabel, size=(7.2, 4.2)
 def save_png(image, path):
     from matplotlib.image import imsave
     imsave(path, image, format="png")
+
+
+# --------------------------------------------------------------------------- the loop's pictures
+
+def sample_picture(logger, images, labels, classes, dataset, global_step):
+    """The first training batch as the model sees it (normalisation undone), rank 0 only."""
+    if not logger.enabled:
+        return
+    n = min(16, len(images))
+    shown = denormalize(images[:n], *mean_std(dataset))
+    names = [classes[i] for i in labels[:n].tolist()]
+    logger.image("train/augmented_samples", image_grid(shown, names, title="augmented training samples", cols=8),
+                 global_step)
+
+
+def worst_picture(worst, classes, dataset):
+    """The worst mistakes as an image grid: each with true class, predicted class and probability."""
+    mean, std = mean_std(dataset)
+    shown = denormalize(torch.stack([dataset[w["index"]][0] for w in worst]), mean, std) if worst else []
+    titles = [f"{classes[w['label']]} -> {classes[w['pred']]}\n{w['prob']:.0%}" for w in worst]
+    return image_grid(shown, titles, colours=["firebrick"] * len(worst),
+                      title="worst mistakes (true -> predicted, probability)", cols=min(8, max(len(worst), 1)))
+
+
+def epoch_pictures(logger, val, worst, classes, dataset, global_step):
+    """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took."""
+    if not logger.enabled:
+        return 0.0
+    start = time.perf_counter()
+    logger.image("val/confusion_matrix", confusion_matrix_image(val["val_confusion"], classes), global_step)
+    if worst is not None:  # train.worst_images > 0; also when there was no mistake
+        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), global_step)
+    return round(time.perf_counter() - start, 4)

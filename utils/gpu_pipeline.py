@@ -1,63 +1,10 @@
-"""The fast input pipeline (data.pipeline=gpu): decode once, augment batched on the device.
+"""The fast input pipeline (data.pipeline=gpu): decode each image once, augment whole batches on the device.
 
-    python train.py data.pipeline=gpu                       # one GPU
-    torchrun --nproc_per_node=8 train_multi_gpu_ddp.py data.pipeline=gpu
-    python train.py --config configs/demo.yaml data.pipeline=gpu --device cpu   # also runs on CPU, slowly
-
-Why: PIL decoding + RandomResizedCrop per image in DataLoader workers tops out
-near 2,000 images/s on a 16-core host, while one H200 trains ResNet34 at
-several times that. Here every image is decoded exactly once, before the first
-epoch, into a uint8 cache (GPU memory when data.cache_on_device, else pinned
-host RAM); each step then gathers a batch from the cache and does the random
-resized crop, the flip and the normalisation as a few batched kernels on the
-device (one affine grid_sample), in the training stream, with no host sync.
-
-What it reads from the transforms data.py builds (dataset.transform): the
-train transform must be RandomResizedCrop, an optional RandomHorizontalFlip,
-and Normalize (data.py's NormalizeOnDevice; or ToTensor and Normalize), and their
-parameters (size, scale, ratio, flip probability, mean, std) are used here. Any other train transform (an added
-ColorJitter, say) cannot be reproduced batched on the device: data.pipeline=gpu
-then stops with one line, and data.pipeline=auto uses the PIL path.
-
-What is kept exactly as in the PIL path:
-  * the augmentation DISTRIBUTION: crop boxes are drawn by `sample_crops`, a
-    vectorised copy of torchvision's RandomResizedCrop.get_params (same 10
-    attempts, same rounding, same centre-crop fallback) in the ORIGINAL image's
-    pixel coordinates, and flipped with the transform's probability (tests
-    compare the two samplers with a Kolmogorov-Smirnov bound);
-  * validation pixels: the cache holds each val image after the very same PIL
-    Resize + CenterCrop, and normalisation is the same float ops, so validation
-    accuracy matches the PIL path (tests check it);
-  * reproducibility: boxes come from the loader's CPU `generator`, which fit()
-    reseeds every epoch, and the order from the given sampler (set_epoch), so
-    DDP ranks read their own shards and a resumed run sees the same batches.
-
-What differs: a train image is cached stretched to a square of data.cache_size
-pixels (the crop box is mapped into it, so geometry is unchanged, but the
-source is resampled once, and a crop is then resized bilinearly without
-antialiasing).
-
-Memory: the cache holds the whole set, about N x 3 x cache_size^2 bytes (flower_photos
-at 320 px: 1.1 GB). Under DDP every rank decodes the whole training set and
-keeps its own cache (its sampler draws from all of it over the epochs): one
-copy per GPU in device memory, or one per process in pinned host RAM, so decode
-work and host memory grow with the processes on a node. Before decoding, a
-cache that would take more than half of the memory it can have (the free memory
-of its GPU, or the host's available RAM divided among this node's processes)
-does not fit; a pinned cache is counted at the power of two that torch's pinned
-allocator rounds it up to.
-
-Beyond memory (data.gpu_decode: auto when the cache does not fit, per_batch
-always; once refuses such a set with one line): DataLoader workers read each
-JPEG's file bytes, and every batch is decoded on the device in one
-torchvision.io.decode_jpeg call (nvJPEG on CUDA, libjpeg on the CPU), stretched
-to the cache square there and then cropped, flipped and normalised by the
-code above; validation gets the PIL path's Resize + CenterCrop on the tensor.
-Files that are not RGB or grey JPEGs (PNG, CMYK...) are decoded by the
-dataset's PIL loading in the workers, one by one, and so are JPEGs the decoder
-refuses (an unreadable one is warned about and replaced as on the PIL path).
-On CUDA the stream is drained before each decode (see _decode_jpegs): one host
-sync per batch, which the cache path does not have.
+PIL decoding and a crop per image in DataLoader workers cannot keep a large GPU fed. Here every image is
+decoded once into a uint8 cache (or, for a set the cache cannot hold, batch by batch on the device), and
+each step's crop, flip and normalisation are a few batched kernels whose random draws come from the CPU,
+so runs stay reproducible. What it keeps equal to the PIL path, and its memory rules: BENCHMARKS.md,
+section "GPU input pipeline".
 """
 import copy
 import io
@@ -76,6 +23,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import functional as TF
 
 from utils.errors import UserError
+from utils.normalization import normalization_of, normalize
 
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 DEVICE_TRAIN_STEPS = "RandomResizedCrop, RandomHorizontalFlip, PILToTensor or ToTensor, and Normalize"
@@ -239,13 +187,9 @@ def crop_theta(boxes, flip, heights, widths):
     return theta.float()
 
 
-def normalize(pixels, mean, std, channels_last=False):
-    """NCHW pixels in 0..255 (uint8, or float after the crop) -> normalised float32: the same ops as
-    ToTensor + Normalize, so the same numbers. channels_last: the first op writes that layout, which
-    saves the separate full-batch copy a conversion afterwards would make."""
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device, memory_format=layout)
-    return torch.div(pixels, 255, out=out).sub_(mean).div_(std)
+def _chw_uint8(img):
+    """RGB PIL image -> uint8 CHW tensor, with memory of its own (not PIL's buffer)."""
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
 
 
 class _TrainCacheItem:
@@ -257,7 +201,7 @@ class _TrainCacheItem:
     def __call__(self, img):
         w, h = img.size
         img = img.resize((self.size, self.size), Image.BILINEAR)  # PIL antialiases when shrinking
-        return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1), torch.tensor([h, w])
+        return _chw_uint8(img), torch.tensor([h, w])
 
     def on_tensor(self, img):
         """The same for a uint8 CHW tensor (data.gpu_decode=per_batch): torch's antialiased bilinear."""
@@ -272,34 +216,58 @@ class _ValCacheItem:
 
     def __call__(self, img):
         img = self.geometric(img)
-        return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1), torch.tensor(img.size[::-1])
+        return _chw_uint8(img), torch.tensor(img.size[::-1])
 
     def on_tensor(self, img):
         """The same steps on a uint8 CHW tensor (torchvision's Resize antialiases tensors too)."""
         return self.geometric(img)
 
 
-def build_cache(dataset, item_fn, workers, pin=False, batch_size=32):
-    """Decode every image of `dataset` once (in `workers` processes) -> (uint8 N x 3 x S x S, sizes N x 2).
+# While the cache is built: images per decoded chunk, and the chunks each worker keeps ready.
+CHUNK, CHUNK_PREFETCH = 32, 2
 
-    The dataset is copied with its transform swapped, so its own loading
-    (RGB conversion, error messages) is exactly what the PIL path uses. An
-    empty dataset (data.val_rate=0) gives an empty cache.
+
+def build_cache(dataset, item_fn, workers, images, chunk=CHUNK):
+    """Decode every image of `dataset` once (in `workers` processes) into `images`, a uint8 N x 3 x S x S
+    tensor wherever the cache lives -> (sizes N x 2, labels N).
+
+    Each decoded chunk is copied straight into `images`, so a cache on the device never passes through
+    a host copy of itself: the host holds only the chunks in flight (chunks_in_flight). The dataset is
+    copied with its transform swapped, so its own loading (RGB conversion, error messages) is exactly
+    what the PIL path uses. An empty dataset (data.val_rate=0) gives an empty cache.
     """
     decoding = copy.copy(dataset)
     decoding.transform = item_fn
-    loader = DataLoader(decoding, batch_size=batch_size, shuffle=False, num_workers=workers)
-    images, sizes, labels, at = None, torch.empty(len(dataset), 2, dtype=torch.long), [], 0
+    loader = DataLoader(decoding, batch_size=chunk, shuffle=False, num_workers=workers,
+                        prefetch_factor=CHUNK_PREFETCH if workers > 0 else None)
+    sizes = torch.empty(len(dataset), 2, dtype=torch.long)
+    labels, at = torch.empty(len(dataset), dtype=torch.long), 0
     for (pixels, hw), label in loader:
-        if images is None:
-            images = torch.empty((len(dataset),) + tuple(pixels.shape[1:]), dtype=torch.uint8, pin_memory=pin)
-        images[at:at + len(label)] = pixels
+        images[at:at + len(label)].copy_(pixels)
         sizes[at:at + len(label)] = hw
-        labels.append(label)
+        labels[at:at + len(label)] = label
         at += len(label)
-    if images is None:
-        return torch.empty(0, 3, 1, 1, dtype=torch.uint8), sizes, torch.empty(0, dtype=torch.long)
-    return images, sizes, torch.cat(labels)
+    return sizes, labels
+
+
+def chunks_in_flight(workers):
+    # Those the workers keep ready, plus the one being copied.
+    return CHUNK_PREFETCH * workers + 1
+
+
+def cache_memory_refusal(n_images, item_bytes, device, on_device, pin, workers, procs_per_node):
+    """Why a cache of n_images cannot be built here (check_cache_fits's rule), or None.
+
+    A host cache is counted whole, on every process of the node. A device cache is counted against its
+    GPU, and its chunks in flight while it is built against the host, on every process of the node."""
+    need = n_images * item_bytes
+    if not on_device:
+        where = "pinned host memory" if pin else "host memory"
+        return cache_refusal(need, host_available_bytes(), procs_per_node, where, pinned=pin)
+    in_flight = min(n_images, chunks_in_flight(workers) * CHUNK) * item_bytes
+    return (cache_refusal(need, torch.cuda.mem_get_info(device)[0], 1, f"the memory of {device}")
+            or cache_refusal(in_flight, host_available_bytes(), procs_per_node,
+                             f"host memory on its way to {device}"))
 
 
 class GpuLoader:
@@ -307,13 +275,14 @@ class GpuLoader:
 
     Yields (images, labels) already on `device`, normalised, channels_last
     when asked; the training loop's own .to(device) is then a no-op. The
-    augmentation's parameters come from `dataset.transform` (see the top).
+    augmentation's parameters come from `dataset.transform` (_train_steps).
     The pixels come from the decode-once cache, or (data.gpu_decode, and see
     JpegBatches) from the JPEG files, decoded on the device batch by batch.
+    prefetch_factor: the batches each worker of JpegBatches keeps ready (None: DataLoader's default).
     """
 
     def __init__(self, dataset, batch_size, sampler, data_cfg, device, train, workers=0,
-                 channels_last=False, verbose=True, procs_per_node=1):
+                 channels_last=False, verbose=True, procs_per_node=1, prefetch_factor=None):
         self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
         self.device, self.train, self.channels_last = device, train, channels_last
         steps = _steps(dataset.transform)
@@ -329,30 +298,28 @@ class GpuLoader:
             assert _ends_in_tensor_and_normalize(steps), f"unexpected val transform {steps}"
             item, shape = _ValCacheItem(T.Compose(steps[:-2])), (3, data_cfg.img_size, data_cfg.img_size)
         self.generator = torch.Generator()  # reseeded every epoch by fit(): reproducible augmentation
-        # Normalize's (mean, std) as (1, 3, 1, 1) float32 on the device, for normalize().
-        self.mean, self.std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, 3, 1, 1)
-                               for v in (norm.mean, norm.std))
         start = time.perf_counter()
         self.on_device = device.type == "cuda" and data_cfg.cache_on_device
         pin = device.type == "cuda" and not self.on_device
-        where = "device memory" if self.on_device else ("pinned host memory" if pin else "host memory")
-        need = len(dataset) * math.prod(shape)
-        if self.on_device:
-            refusal = cache_refusal(need, torch.cuda.mem_get_info(device)[0], 1, f"the memory of {device}")
-        else:
-            refusal = cache_refusal(need, host_available_bytes(), procs_per_node, where, pinned=pin)
+        # Decided before anything is allocated on the device or decoded.
+        refusal = cache_memory_refusal(len(dataset), math.prod(shape), device, self.on_device, pin, workers,
+                                       procs_per_node)
+        if refusal and data_cfg.gpu_decode == "once":
+            raise UserError(refusal + CACHE_HINT)
+        self.mean, self.std = normalization_of(norm, device)  # Normalize's, on the device, for normalize()
         self.jpeg = None
-        if data_cfg.gpu_decode == "per_batch" or (refusal and data_cfg.gpu_decode == "auto"):
+        if data_cfg.gpu_decode == "per_batch" or refusal:
             # A set too large to cache: the workers read file bytes, each batch is decoded here.
-            self.jpeg = JpegBatches(dataset, batch_size, sampler, train, workers, device, item.on_tensor)
+            self.jpeg = JpegBatches(dataset, batch_size, sampler, train, workers, device, item.on_tensor,
+                                    prefetch_factor)
             if verbose:
                 print(f"gpu pipeline: {len(dataset)} {'train' if train else 'val'} images, JPEGs decoded on "
                       f"{device} every batch" + (f" ({refusal})" if refusal else ""), flush=True)
             return
-        if refusal:
-            raise UserError(refusal + CACHE_HINT)
-        images, self.sizes, labels = build_cache(dataset, item, workers, pin=pin)
-        self.images = images.to(device) if self.on_device else images
+        where = "device memory" if self.on_device else ("pinned host memory" if pin else "host memory")
+        self.images = torch.empty((len(dataset), *shape), dtype=torch.uint8,
+                                  device=device if self.on_device else "cpu", pin_memory=pin)
+        self.sizes, labels = build_cache(dataset, item, workers, self.images)
         self.labels = labels.to(device)
         self.cache_seconds = time.perf_counter() - start
         self.cache_bytes = self.images.numel()
@@ -408,10 +375,6 @@ def _to(t, device, pin):
 # --------------------------------------------------------------------------- decoding every batch
 
 ENCODED, PIXELS = 0, 1  # what a worker sends for one image: the file's bytes, or pixels PIL decoded
-
-
-def _chw_uint8(img):
-    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
 
 
 class EncodedFiles(Dataset):
@@ -476,13 +439,13 @@ class JpegBatches:
     cache, and the workers can live across epochs.
     """
 
-    def __init__(self, dataset, batch_size, sampler, train, workers, device, resize):
+    def __init__(self, dataset, batch_size, sampler, train, workers, device, resize, prefetch_factor=None):
         self.device, self.resize = device, resize
         files = EncodedFiles(dataset)
         self.fallback = files.pil  # a JPEG the decoder refuses goes the PIL path, in this process
         self.loader = DataLoader(files, batch_size=batch_size, sampler=sampler, drop_last=train,
                                  num_workers=workers, collate_fn=_collate_encoded, persistent_workers=workers > 0,
-                                 prefetch_factor=4 if workers > 0 else None,
+                                 prefetch_factor=prefetch_factor if workers > 0 else None,
                                  generator=torch.Generator())  # the workers' base seed, not the global RNG
 
     def __iter__(self):
@@ -490,6 +453,9 @@ class JpegBatches:
             images, labels = self.decode(blob.split(lengths.tolist()), meta.tolist())
             sizes = torch.tensor([img.shape[1:] for img in images], dtype=torch.long)
             pixels = torch.stack([self.resize(img) for img in images])
+            # The full-size decodes (4.6 GB for 128 photos of 4000x3000) and the file bytes are not
+            # kept alive through the step that trains on this batch, nor while the next one is decoded.
+            del images, blob
             yield pixels, sizes, _to(torch.tensor(labels), self.device, self.device.type == "cuda")
 
     def decode(self, parts, meta):

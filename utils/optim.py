@@ -1,13 +1,11 @@
 """The training recipe built from the config: optimizer, learning-rate schedule, mixed
-precision, the loss's class weights, MixUp/CutMix and the EMA of the weights."""
+precision and the EMA of the weights."""
 import copy
 import inspect
 import math
 
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
-
-from utils.errors import UserError
 
 
 def scaled_lr(optim_cfg, world_size):
@@ -171,64 +169,10 @@ def _native_bf16():
     return torch.cuda.is_bf16_supported()
 
 
-class AutocastForward(torch.nn.Module):
-    """Runs `module` under autocast(dtype) inside its own forward.
-
-    DataParallel runs each GPU's replica in a thread of its own, and autocast's
-    dtype is per thread: the replicas would compute in fp16 (CUDA's default)
-    while bf16 was chosen and the GradScaler is off.
-    """
-
-    def __init__(self, module, dtype, device_type="cuda"):
-        super().__init__()
-        self.module, self.dtype, self.device_type = module, dtype, device_type
-
-    def forward(self, *args, **kwargs):
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
-            return self.module(*args, **kwargs)
-
-
 def build_scaler(amp_dtype, device):
     """Loss scaling is needed for fp16 only; bf16 has fp32's range."""
     enabled = amp_dtype == torch.float16
     return torch.amp.GradScaler(device.type if enabled else "cpu", enabled=enabled)
-
-
-def class_weights(spec, labels, num_classes, device):
-    """optim.class_weights -> a (num_classes,) loss weight tensor on `device`, or None for "none".
-    `labels`: the training set's label per sample (its .targets), or None if it has none.
-
-    auto: w_c = N / (C * n_c), inverse frequency over the training labels, so a class of the
-    average size weighs 1 and every class contributes equally to the expected loss.
-    """
-    if spec == "none":
-        return None
-    if spec == "auto":
-        if labels is None:
-            raise UserError("optim.class_weights=auto needs the training labels: the dataset has no .targets",
-                            every_rank=True)
-        counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes).double()
-        weights = counts.sum() / (num_classes * counts.clamp(min=1))
-    else:
-        if len(spec) != num_classes:
-            raise UserError(f"optim.class_weights has {len(spec)} weights, the data has {num_classes} classes",
-                            every_rank=True)
-        weights = torch.tensor([float(w) for w in spec], dtype=torch.float64)
-    return weights.float().to(device)
-
-
-def batch_mixer(mixup_alpha, cutmix_alpha, num_classes):
-    """data.mixup_alpha / data.cutmix_alpha -> torchvision's MixUp, CutMix or a random choice of the
-    two per batch, called as mix(images, labels) -> (images, soft targets); None when both are 0.
-
-    Their random draws come from torch's global generator, which the loop seeds per epoch and a
-    checkpoint saves: a resumed run mixes exactly as the uninterrupted one would."""
-    from torchvision.transforms import v2
-    mixers = ([v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha > 0 else []) + \
-             ([v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes)] if cutmix_alpha > 0 else [])
-    if not mixers:
-        return None
-    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
 class WeightEMA:

@@ -1,5 +1,7 @@
 """Run directory, console, metrics.jsonl and TensorBoard: every side effect, rank 0 only.
 
+The run directory is named once for all ranks (resolve_run_dir) and checked before any training:
+never an earlier run's without --resume (check_run_dir), and writable (check_writable).
 Other ranks get a RunLogger with enabled=False whose methods do nothing, so
 call sites need no rank checks (and never wrap a collective in one).
 
@@ -11,13 +13,49 @@ and the worst mistakes every epoch, augmented training samples once.
 import io
 import json
 import math
+import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 from tqdm import tqdm
 
 from utils.config import flatten, save_config
+from utils.distributed_utils import broadcast_object
+from utils.errors import UserError
+
+
+def resolve_run_dir(cfg, script_name, dist_info):
+    """Rank 0 names the run directory and every rank agrees on it (one broadcast)."""
+    if cfg.output_dir:
+        run_dir = cfg.output_dir
+    elif cfg.resume == "auto":
+        raise UserError("--resume auto needs --output-dir: the run directory to continue")
+    else:
+        run_dir = str(Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{script_name}")
+    return Path(broadcast_object(run_dir if dist_info.rank == 0 else None))
+
+
+def check_run_dir(run_dir, resuming):
+    """Never write over an earlier run without --resume; fail before any training."""
+    if resuming:
+        return
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise UserError(f"run directory '{run_dir}' already holds a run; continue it with "
+                        "--resume auto, or choose another --output-dir")
+
+
+def check_writable(run_dir):
+    """A run directory that cannot be written fails now, not at the end of the first epoch."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output directory '{run_dir}' is not writable ({e.strerror or e}); "
+                        "choose another --output-dir") from None
 
 
 class RunLogger:
@@ -63,9 +101,9 @@ class RunLogger:
         if self.enabled:
             save_config(cfg, self.run_dir / "config.yaml")
 
-    def scalar(self, tag, value, step):
+    def scalar(self, tag, value, global_step):
         if self.enabled:
-            self.writer.add_scalar(tag, value, step)
+            self.writer.add_scalar(tag, value, global_step)
 
     def epoch(self, metrics, classes=()):
         """One line of metrics.jsonl; each of its numbers (per-class lists by class name) becomes a
@@ -75,19 +113,19 @@ class RunLogger:
         metrics = {"time": round(time.time(), 3), **metrics}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        step = metrics["step"]
+        global_step = metrics["step"]
         for key, value in metrics.items():
             if key in ("time", "step"):
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(scalar_tag(key), value, step)
+                self.writer.add_scalar(scalar_tag(key), value, global_step)
             elif isinstance(value, list) and len(value) == len(classes) and all(
                     isinstance(v, (int, float)) for v in value):  # per class; the confusion matrix is a figure
                 for name, v in zip(classes, value):
-                    self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, step)
+                    self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, global_step)
         self.writer.flush()
 
-    def image(self, tag, image, step):
+    def image(self, tag, image, global_step):
         """An RGB uint8 (H, W, 3) picture from utils/figures.py, as a PNG in the event file. Encoded here:
         add_image converts to float, resamples at scale 1 and compresses at zlib's level 6, which cost
         more than drawing the picture did."""
@@ -100,7 +138,7 @@ class RunLogger:
         height, width, channels = image.shape
         value = Summary.Value(tag=tag, image=Summary.Image(height=height, width=width, colorspace=channels,
                                                            encoded_image_string=png.getvalue()))
-        self.writer._get_file_writer().add_summary(Summary(value=[value]), step)
+        self.writer._get_file_writer().add_summary(Summary(value=[value]), global_step)
 
     def hparams(self, config, metric_tags):
         """The flattened config in TensorBoard's HParams tab, beside the last value of `metric_tags`."""
@@ -114,20 +152,20 @@ class RunLogger:
         for summary in hparams(flat, {tag: math.nan for tag in metric_tags}):
             writer.add_summary(summary)
 
-    def progress(self, iterable, total, desc):
+    def progress_bar(self, iterable, total, desc):
         """A tqdm bar on a terminal; elsewhere the iterable itself (no bar, so no carriage returns in a file)."""
         if not (self.enabled and self.tty):
             return _NoBar(iterable)
         return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, leave=False, mininterval=0.1)
 
-    def window(self, bar, label, step, total, loss, img_s, lr, eta_s):
+    def window(self, bar, label, epoch_step, total, loss, img_s, lr, eta_s):
         """A log window's numbers: the bar's postfix on a terminal, else one plain line (rank 0 only)."""
         if not self.enabled:
             return
         if self.tty:
             bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{img_s:.0f}", lr=f"{lr:.2e}")
         else:
-            print(f"{label}  step {step}/{total}  loss {loss:.4f}  {img_s:.0f} img/s  lr {lr:.2e}  "
+            print(f"{label}  step {epoch_step}/{total}  loss {loss:.4f}  {img_s:.0f} img/s  lr {lr:.2e}  "
                   f"ETA {_clock(eta_s)}", flush=True)
 
     def flush(self):

@@ -9,14 +9,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import data  # noqa: E402
 from torchvision import transforms as T  # noqa: E402
+from utils.decoding import DraftRandomResizedCrop, DraftResize  # noqa: E402
 
 
 def plain_transforms(img_size, val_resize, min_crop_scale=0.08):
     """(train, val) as data.build_transforms ships them: exactly the steps the gpu pipeline reproduces."""
     norm = data.NormalizeOnDevice(data.IMAGENET_MEAN, data.IMAGENET_STD)
-    train = T.Compose([data.RandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
+    train = T.Compose([DraftRandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
                        norm])
-    return train, T.Compose([data.Resize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
+    return train, T.Compose([DraftResize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
 
 
 if __name__ == "sitecustomize":  # at start-up; an import by a test only borrows the function

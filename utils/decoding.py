@@ -1,0 +1,154 @@
+"""Image files -> 8-bit RGB, a JPEG decoded only as large as the transform needs (draft decoding).
+
+A 4000x3000 photo cropped to 224 px needs a fraction of its pixels: PIL's draft mode decodes a JPEG
+at 1/2, 1/4 or 1/8 of each side (DCT scaling), several times faster. load_image hands a JPEG to
+DraftRandomResizedCrop or DraftResize undecoded, and they decode it at the smallest scale that still
+leaves their output's pixels. Any other file, or another first transform, is decoded whole.
+"""
+import contextlib
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision import transforms
+from torchvision.transforms import functional as TF
+
+# PIL's own decompression-bomb check warns or fails without naming the file;
+# load_rgb applies data.max_image_pixels itself, with the path in the message.
+Image.MAX_IMAGE_PIXELS = None
+
+
+class BadImage(Exception):
+    """A file that cannot be decoded into an image; the message names it and says why."""
+
+
+def to_rgb(img):
+    """Any PIL mode -> 8-bit RGB (CMYK, RGBA, L, P, 16-bit grey, ...)."""
+    if img.mode.startswith("I"):
+        # 16-bit grey: convert("RGB") would clip every value over 255 to white; scale instead.
+        arr = np.asarray(img).astype(np.int64).clip(0, 65535)
+        if img.mode != "I" or arr.max() > 255:
+            arr = arr >> 8
+        img = Image.fromarray(arr.astype(np.uint8), "L")
+    elif img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")  # PIL warns on P + transparency -> RGB; this way is silent
+    return img.convert("RGB")
+
+
+def _decode_error(path, e):
+    why = (str(e).splitlines() or [type(e).__name__])[0].replace(f" '{path}'", "")
+    return BadImage(f"cannot decode '{path}': {why}")
+
+
+def load_rgb(path, max_pixels=0, undecoded=False):
+    """Decode `path` to RGB; raise BadImage naming the file if it cannot be decoded.
+    undecoded: a JPEG comes back with only its header read, for `decode` to decode at the size needed."""
+    try:
+        if os.path.getsize(path) == 0:
+            raise BadImage(f"'{path}' is empty (0 bytes)")
+        img = Image.open(path)  # reads the header only
+        w, h = img.size
+        if max_pixels and w * h > max_pixels:
+            img.close()
+            raise BadImage(f"'{path}' is {w}x{h} = {w * h} pixels, over data.max_image_pixels="
+                           f"{max_pixels} (a decompression-bomb guard); raise it if you trust the file")
+        if undecoded and img.format == "JPEG":
+            return img
+        with img:
+            return to_rgb(img)
+    except BadImage:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever PIL raises on a broken file is the file's fault
+        raise _decode_error(path, e) from None
+
+
+def decode(img, scale=1):
+    """An image from load_rgb -> (8-bit RGB, how many times smaller it was decoded). A JPEG not decoded
+    yet is decoded at 1/scale of each side (rounded up); any other image is as it is."""
+    w = img.width
+    try:
+        drafted = img.draft(img.mode, (w // scale, img.height // scale)) if scale > 1 else None
+        if img.mode == "RGB":
+            img.load()  # in place: an RGB JPEG, the usual case, is not copied
+        else:
+            img = to_rgb(img)
+    except Exception as e:  # noqa: BLE001 - as in load_rgb
+        raise _decode_error(getattr(img, "filename", "the image"), e) from None
+    # draft() answers (mode, the original's extent in the new pixels); None where it did nothing.
+    return img, (round(w / drafted[1][2]) if drafted else 1)
+
+
+def load_image(path, transform=None, max_pixels=0):
+    """`path` through `transform`; BadImage if it cannot be decoded. When the transform begins with a
+    DraftRandomResizedCrop or DraftResize, a JPEG reaches it undecoded, to be decoded only as large as needed."""
+    first = getattr(transform, "transforms", [transform])[0] if transform is not None else None
+    img = load_rgb(path, max_pixels, undecoded=isinstance(first, (DraftRandomResizedCrop, DraftResize)))
+    return img if transform is None else transform(img)
+
+
+def draft_scale(width, height, out_width, out_height):
+    """How much smaller a JPEG can be decoded when its width x height pixels become out_width x
+    out_height: the largest of 1, 2, 4 and 8 (DCT scaling, PIL's draft) that still leaves that many."""
+    s = min(width // max(out_width, 1), height // max(out_height, 1), 8)
+    return 1 << (max(s, 1).bit_length() - 1)
+
+
+class DraftRandomResizedCrop(transforms.RandomResizedCrop):
+    """torchvision's RandomResizedCrop with the same random draws and boxes, giving a uint8 tensor.
+    The box is drawn in the original's pixels first; a JPEG from load_image is then decoded at the
+    smallest scale that leaves the box at least the output size (a 4000x3000 photo: mostly 1/4 or
+    1/8, several times faster). The box is resized on uint8 by torch's antialiased bilinear, within
+    one level of PIL's and about 3x faster."""
+
+    def forward(self, img):
+        if not isinstance(img, Image.Image):
+            return super().forward(img)
+        top, left, h, w = self.get_params(img, self.scale, self.ratio)
+        img, s = decode(img, draft_scale(w, h, self.size[1], self.size[0]))
+        # The box in the decoded pixels (to the nearest one where the JPEG was decoded smaller).
+        box = TF.pil_to_tensor(img)[:, round(top / s):round((top + h) / s), round(left / s):round((left + w) / s)]
+        with one_thread():
+            # interpolate resizes uint8 as it is; TF.resize would go through float and back.
+            if self.interpolation != transforms.InterpolationMode.BILINEAR:
+                return TF.resize(box, list(self.size), self.interpolation, antialias=self.antialias)
+            return torch.nn.functional.interpolate(box[None], size=self.size, mode="bilinear", antialias=True)[0]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for one image's op: in the main process (data.num_workers=0) waking its
+    other threads costs more than they save, 20x on a loaded 2-core machine. A worker has one anyway."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class DraftResize(transforms.Resize):
+    """torchvision's Resize. A JPEG not decoded yet (load_image) is decoded at the smallest scale that
+    leaves it at least the output size (DraftRandomResizedCrop's rule); that size is torchvision's,
+    computed from the original's."""
+
+    def forward(self, img):
+        if not isinstance(img, Image.Image):
+            return super().forward(img)
+        w, h = img.size
+        out_w, out_h = self.output_size(w, h)
+        img, s = decode(img, draft_scale(w, h, out_w, out_h))
+        if s == 1:
+            return super().forward(img)
+        return img.resize((out_w, out_h), TF.pil_modes_mapping[self.interpolation], box=(0, 0, w / s, h / s))
+
+    def output_size(self, w, h):
+        """torchvision's (width, height) for a w x h image; (w, h) itself under max_size (never drafted)."""
+        size = [self.size] if isinstance(self.size, int) else list(self.size)
+        if len(size) == 2:
+            return size[1], size[0]
+        if self.max_size is not None or size[0] is None:
+            return w, h
+        short, long = (w, h) if w <= h else (h, w)
+        new_long = int(size[0] * long / short)
+        return (size[0], new_long) if w <= h else (new_long, size[0])
