@@ -33,6 +33,9 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 @dataclass
 class DataConfig:
     path: str = MISSING
+    labels: Optional[str] = MISSING
+    task: str = MISSING
+    channels: int = MISSING
     val_rate: float = MISSING
     split_seed: int = MISSING
     img_size: int = MISSING
@@ -109,12 +112,19 @@ class DDPConfig:
 
 
 @dataclass
+class EvalConfig:
+    threshold: float = MISSING
+    tune_thresholds: bool = MISSING
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     output_dir: Optional[str] = MISSING
     resume: Optional[str] = MISSING
     eval_only: bool = MISSING
@@ -143,6 +153,8 @@ CHOICES = {
     "data.gpu_decode": ("auto", "once", "per_batch"),
     "data.bad_image": ("warn", "error"),
     "data.sampler": ("shuffle", "balanced"),
+    "data.task": ("auto", "single", "multi"),
+    "data.channels": (1, 3),
     "ddp.backend": ("auto", "nccl", "gloo"),
 }
 
@@ -240,6 +252,8 @@ def _check_ranges(cfg):
         bad("optim.warmup_epochs", f"{cfg.optim.warmup_epochs}; must be between 0 and train.epochs")
     if cfg.train.log_every < 1:
         bad("train.log_every", "must be at least 1")
+    if not 0.0 < cfg.eval.threshold < 1.0:
+        bad("eval.threshold", f"{cfg.eval.threshold}; must be in (0, 1)")
     if cfg.data.cache_size < 0 or 0 < cfg.data.cache_size < cfg.data.img_size:
         bad("data.cache_size", f"{cfg.data.cache_size}; 0 (auto) or at least data.img_size")
     if cfg.ddp.bucket_cap_mb < 1:
@@ -282,7 +296,7 @@ def _check_ranges(cfg):
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            bad(key, f"'{value}'; choose one of {', '.join(allowed)}")
+            bad(key, f"'{value}'; choose one of {', '.join(map(str, allowed))}")
     for check in _REGISTERED_CHECKS:
         check(cfg)
 
