@@ -214,8 +214,8 @@ def _warn_unseen_labels(split, labels):
         values = samples.label_values if samples.multilabel else samples.labels
         return np.bincount(values, minlength=len(split.classes))
     in_train, in_val = counts(split.train), counts(split.val)
-    for what, which in (("no positive in train", (in_train == 0) & (in_val == 0)),
-                        ("in val but never in train", (in_train == 0) & (in_val > 0))):
+    for what, which in (("have no positive in train", (in_train == 0) & (in_val == 0)),
+                        ("are in val but never in train", (in_train == 0) & (in_val > 0))):
         names = [split.classes[i] for i in np.flatnonzero(which)]
         if names:
             warn(f"data.labels '{labels}': {len(names)} label(s) {what}, e.g. "

@@ -92,15 +92,128 @@ def test_multilabel_contract(images, tmp_path):
         data.split_dataset(images["root"], labels=file, task="single")
 
 
-def test_label_file_run_equals_folder_run(images):
-    """train.py on a label file listing the folder split gives the class-folder run's numbers."""
-    runs = {}
+@pytest.fixture(scope="module")
+def runs(images):
+    """train.py on the class folders, and on fixed.csv: the folder split written down, with each val
+    image listed three times as a `test` row (15 rows: uneven shards over 2 processes)."""
+    rows = images["fixed"].read_text(encoding="utf-8").splitlines()
+    test = [r.replace(",val", ",test") for r in rows if r.endswith(",val")] * 3
+    images["fixed"].write_text("\n".join(rows + test) + "\n", encoding="utf-8")
+    out = {}
     for name, extra in (("folders", []), ("file", [f"data.labels={images['fixed']}"])):
         proc = run_entry("train.py", *FAST_ARGS, "--data-path", images["root"], *extra,
                          "--output-dir", images["base"] / name)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = [json.loads(line) for line in (images["base"] / name / "metrics.jsonl").read_text().splitlines()]
-        indices = json.loads((images["base"] / name / "class_indices.json").read_text())
-        assert indices == {str(i): c for i, c in enumerate(images["folders"].classes)}
-    last = [{k: r[-1][k] for k in ("val_acc", "val_loss", "train_loss")} for r in runs.values()]
+        out[name] = images["base"] / name
+    return out
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_label_file_run_equals_folder_run(images, runs):
+    """A label file listing the folder split gives the class-folder run's numbers, and the same class_indices.json."""
+    last = [{k: metrics(runs[name])[-1][k] for k in ("val_acc", "val_loss", "train_loss")}
+            for name in ("folders", "file")]
     assert last[0] == last[1]
+    for name in ("folders", "file"):
+        indices = json.loads((runs[name] / "class_indices.json").read_text())
+        assert indices == {str(i): c for i, c in enumerate(images["folders"].classes)}
+
+
+def test_eval_only_on_test_rows_under_ddp(images, runs):
+    """--eval-only evaluates the file's test rows; over 2 processes each is counted once, exactly."""
+    out = images["base"] / "eval"
+    proc = run_entry("train_multi_gpu_ddp.py", *FAST_ARGS, "--data-path", images["root"],
+                     f"data.labels={images['fixed']}", "--eval-only", "--resume",
+                     runs["file"] / "checkpoints" / "best.pt", "--output-dir", out, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "eval.json").read_text())
+    assert result["split"] == "test" and result["val_count"] == 15
+    assert [sum(row) for row in result["val_confusion"]] == [3] * 5
+    assert result["val_acc"] == metrics(runs["file"])[-1]["val_acc"]  # the val images, each thrice
+
+
+# --------------------------------------------------------------------------- bad label files
+
+def _bad(images, tmp_path, text=None, raw=None, name="bad.csv"):
+    file = tmp_path / name
+    file.write_bytes(raw if raw is not None else text.format(**_names(images)).encode("utf-8"))
+    return file
+
+
+def _names(images):
+    (p0, c0), (p1, c1) = images["listed"][:2]
+    return dict(p0=p0, c0=c0, p1=p1, c1=c1)
+
+
+BAD_FILES = {
+    "no header": ("{p0},{c0}\n{p1},{c1}\n", r"has no header row naming a 'path' and a 'label' column"),
+    "no path column": ("file,label\n{p0},{c0}\n", r"has no header row naming a 'path' and a 'label' column"),
+    "missing images": ("path,label\n{p0},{c0}\nnope/1.jpg,x\n{p1},{c1}\nnope/2.jpg,x\nnope/3.jpg,x\nnope/4.jpg,x\n",
+                       r": 4 of 6 row\(s\) name an image that does not exist .* e.g. line 3 '.*nope/1.jpg', "
+                       r"line 5 '.*nope/2.jpg', line 6 '.*nope/3.jpg'$"),
+    "empty label": ("path,label\n{p0},{c0}\n{p1}, \n", r": 1 row\(s\) have an empty path or label, e.g. line 3;"),
+    "empty label in a list": ("path,label\n{p0},{c0};\n", r": 1 row\(s\) have an empty path or label, e.g. line 2;"),
+    "unknown split": ("path,label,split\n{p0},{c0},train\n{p1},{c1},valid\n",
+                      r"line 3: unknown split 'valid' \(1 row\(s\) like it\); the split column takes train, val, test"),
+    "duplicate path": ("path,label\n{p0},{c0}\n{p1},{c1}\n{p0},{c1}\n",
+                       r"lists '.*' on line 2 and again on line 4 with other labels \(1 such row\(s\)\)"),
+    "not UTF-8": (None, r"is not UTF-8 text \(line 2, byte 20: b'\\xe9'\); save it as UTF-8"),
+    "bad JSON line": ('{{"path": "{p0}", "label": "{c0}"}}\n{{"path": "{p1}"\n', r"line 2 is not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_label_file_is_one_error_line(images, tmp_path, case):
+    text, message = BAD_FILES[case]
+    raw = "path,label\ndaisy/caf\u00e9.jpg,daisy\n".encode("latin-1") if text is None else None
+    file = _bad(images, tmp_path, text, raw, "bad.jsonl" if "JSON" in case else "bad.csv")
+    with pytest.raises(UserError, match=message) as e:
+        data.split_dataset(images["root"], labels=file)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_label_file_stops_the_real_script(images, tmp_path):
+    """The user's view: one error: line, exit 2, no run directory made."""
+    file = _bad(images, tmp_path, BAD_FILES["missing images"][0])
+    proc = run_entry("train.py", *FAST_ARGS, "--data-path", images["root"], f"data.labels={file}",
+                     "--output-dir", tmp_path / "run")
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "4 of 6 row(s) name an image that does not exist" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_labels_unseen_in_train_are_warned(images, tmp_path, capsys):
+    names = _names(images)
+    rows = [(p, c, "train") for p, c in images["listed"][2:] if c not in (names["c0"], names["c1"])]
+    rows += [(names["p0"], names["c0"], "val"), (names["p1"], f"{names['c1']};zèbre 斑马", "test")]
+    split = data.split_dataset(images["root"], labels=write_csv(tmp_path / "w.csv", rows, "path,label,split"))
+    assert split.classes[-1] == "zèbre 斑马" and split.multilabel  # kept as written
+    err = capsys.readouterr().err
+    assert f"1 label(s) are in val but never in train, e.g. '{names['c0']}'" in err
+    assert f"2 label(s) have no positive in train, e.g. '{names['c1']}', 'zèbre 斑马'" in err
+
+
+def test_pipelines(images, tmp_path):
+    """data.pipeline=gpu takes a single-label label file (on CPU here); the balanced sampler and the gpu
+    pipeline refuse multi-label data in one line each."""
+    from utils.gpu_pipeline import GpuLoader
+    from utils.samplers import ShardSampler, epoch_sampler
+    cpu, sizes = torch.device("cpu"), ["data.img_size=32", "data.val_resize=36", "data.pipeline=gpu"]
+    cfg = load_config(["--data-path", str(images["root"]), f"data.labels={images['csv']}", *sizes])
+    _, val_set, _ = data.build_datasets(cfg.data)
+    loader = data.make_loader(val_set, 4, ShardSampler(val_set), cfg.data, cpu, train=False)
+    assert isinstance(loader, GpuLoader)
+    assert torch.cat([y for _, y in loader]).tolist() == [c for _, c in images["folders"].val]
+    rows = [(p, f"{c};roses") for p, c in images["listed"]]
+    cfg = load_config(["--data-path", str(images["root"]), f"data.labels={write_csv(tmp_path / 'm.csv', rows)}",
+                       *sizes])
+    train_set, _, _ = data.build_datasets(cfg.data)
+    with pytest.raises(UserError, match=r"^data.sampler=balanced draws each class equally often, .* "
+                                        r"use data.sampler=shuffle$"):
+        epoch_sampler(train_set, 0, kind="balanced")
+    with pytest.raises(UserError, match=r"^data.pipeline=gpu takes single-label data only"):
+        data.make_loader(train_set, 4, epoch_sampler(train_set, 0), cfg.data, cpu, train=True)

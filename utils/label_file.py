@@ -23,6 +23,7 @@ from utils.errors import UserError
 from utils.sample_list import SampleList
 
 SPLITS = ("train", "val", "test")
+SPLIT_CODES = {name: code for code, name in enumerate(SPLITS)}
 SHOWN = 3  # rows named in an error about many rows
 
 
@@ -76,7 +77,8 @@ def _csv_rows(text, file):
             raise UserError(f"data.labels '{file}' line {reader.line_num} has {len(row)} field(s), "
                             f"the header {width}")
         label = row[li]
-        names = [n.strip() for n in label.split(";")] if ";" in label else [label.strip()]
+        # One name is a str, several a list: the common single-label row makes no list.
+        names = [n.strip() for n in label.split(";")] if ";" in label else label.strip()
         yield (reader.line_num, row[pi], names, None if si is None else row[si].strip(),
                None if gi is None else row[gi])
 
@@ -92,35 +94,44 @@ def _jsonl_rows(text, file):
         if not isinstance(obj, dict) or "path" not in obj or "label" not in obj:
             raise UserError(f"data.labels '{file}' line {line} is not an object with a \"path\" and a \"label\"")
         label = obj["label"]
-        names = [str(n).strip() for n in label] if isinstance(label, list) else [str(label).strip()]
+        names = [str(n).strip() for n in label] if isinstance(label, list) else str(label).strip()
         split = obj.get("split")
         yield line, str(obj["path"]), names, None if split is None else str(split).strip(), obj.get("group")
 
 
 def _table(rows, file, root):
     paths, lines, counts, values, splits, groups = [], [], [], [], [], []
-    ids, first_row, duplicates, empty, unknown = {}, {}, [], [], []
-    has_split = None
+    ids, first_row, repeated, empty, unknown = {}, {}, [], [], []
+    prefix, absolute = os.path.join(root, ""), tuple(filter(None, (os.sep, os.altsep)))
+    has_split = has_group = None
     for line, path, names, split, group in rows:
         if has_split is None:
-            has_split = split is not None
+            has_split, has_group = split is not None, group is not None
         row = len(paths)
-        if not path or not all(names):
+        if not path or not names or not all(names):
             empty.append(line)
-        label_ids = sorted({ids.setdefault(n, len(ids)) for n in names})
+        if type(names) is str:  # one label
+            label = ids.get(names)
+            if label is None:
+                label = ids[names] = len(ids)
+            values.append(label)
+            counts.append(1)
+        else:
+            label_ids = sorted({ids.setdefault(n, len(ids)) for n in names})
+            values.extend(label_ids)
+            counts.append(len(label_ids))
         if has_split:
-            if split not in SPLITS:
+            code = SPLIT_CODES.get(split)
+            if code is None:
                 unknown.append((line, split))
-            splits.append(SPLITS.index(split) if split in SPLITS else 0)
-        full = os.path.join(root, path)
-        seen, seen_ids = first_row.setdefault(full, (row, label_ids))
-        if seen != row and seen_ids != label_ids:
-            duplicates.append((line, path, lines[seen]))
+            splits.append(code or 0)
+        full = path if path.startswith(absolute) else prefix + path
+        if first_row.setdefault(full, row) != row:
+            repeated.append(row)
         paths.append(full)
         lines.append(line)
-        counts.append(len(label_ids))
-        values.extend(label_ids)
-        groups.append(group)
+        if has_group:
+            groups.append(group)
     if empty:
         raise UserError(f"data.labels '{file}': {len(empty)} row(s) have an empty path or label, e.g. line "
                         f"{', '.join(map(str, empty[:SHOWN]))}; give every row an image and at least one label")
@@ -128,8 +139,15 @@ def _table(rows, file, root):
         line, split = unknown[0]
         raise UserError(f"data.labels '{file}' line {line}: unknown split {split!r} ({len(unknown)} row(s) "
                         f"like it); the split column takes {', '.join(SPLITS)}")
+    counts = np.array(counts, dtype=np.int64)
+    offsets = np.zeros(len(paths) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    labels_of = lambda row: values[offsets[row]:offsets[row + 1]]  # noqa: E731 (provisional ids, sorted)
+    duplicates = [(row, first_row[paths[row]]) for row in repeated
+                  if labels_of(row) != labels_of(first_row[paths[row]])]
     if duplicates:
-        line, path, seen = duplicates[0]
+        row, first = duplicates[0]
+        line, path, seen = lines[row], paths[row], lines[first]
         raise UserError(f"data.labels '{file}' lists '{path}' on line {seen} and again on line {line} with "
                         f"other labels ({len(duplicates)} such row(s)); give each image one set of labels")
     if not paths:
@@ -143,10 +161,7 @@ def _table(rows, file, root):
     classes = sorted(ids)
     rank = np.empty(len(ids), dtype=np.int64)
     rank[[ids[c] for c in classes]] = np.arange(len(classes))
-    counts = np.array(counts, dtype=np.int64)
     values = rank[np.array(values, dtype=np.int64)]
-    offsets = np.zeros(len(paths) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
     multi_rows = int((counts > 1).sum())
     if multi_rows:
         # Sort each row's ids again after the renumbering: by row, then by id.
@@ -155,7 +170,7 @@ def _table(rows, file, root):
     else:
         samples = SampleList.from_arrays(paths, labels=values)
     return LabelTable(samples, classes, np.array(splits, dtype=np.int8) if has_split else None,
-                      groups if any(g is not None for g in groups) else None,
+                      groups if has_group else None,
                       np.array(lines, dtype=np.int64), multi_rows)
 
 
@@ -163,7 +178,7 @@ def _missing(paths):
     """Indices of the paths that do not exist: one listing per folder, not one stat per image."""
     listed, missing = {}, []
     for i, path in enumerate(paths):
-        folder, name = os.path.split(path)
+        folder, _, name = path.rpartition(os.sep)
         names = listed.get(folder)
         if names is None:
             try:

@@ -6,6 +6,7 @@ finds reaches the main process. verify_images (data.verify) finds the bad files 
 """
 import enum
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -48,7 +49,13 @@ class SampleList:
     def from_arrays(cls, paths, labels=None, label_offsets=None, label_values=None):
         """A SampleList from paths (str) and the label arrays themselves: no tuple per sample is made."""
         self = cls.__new__(cls)
-        self._set([os.fsencode(p) for p in paths], labels, label_offsets, label_values)
+        # One encode of all the paths, NUL-separated (no path holds a NUL): the separators give the offsets.
+        blob = np.frombuffer(("\0".join(paths) + "\0").encode(sys.getfilesystemencoding(), "surrogateescape"),
+                             dtype=np.uint8)
+        ends = np.flatnonzero(blob == 0)
+        offsets = np.zeros(len(ends) + 1, dtype=np.int64)
+        offsets[1:] = ends - np.arange(len(ends))
+        self._set(None, labels, label_offsets, label_values, paths=blob[blob != 0], offsets=offsets)
         return self
 
     def _set(self, encoded, labels=None, label_offsets=None, label_values=None, paths=None, offsets=None):
