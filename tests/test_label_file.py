@@ -13,6 +13,7 @@ import torch
 from conftest import FAST_ARGS, make_image_folder, run_entry
 
 import data
+import train
 from utils.config import load_config
 from utils.errors import UserError
 
@@ -95,7 +96,7 @@ def test_multilabel_contract(images, tmp_path):
 @pytest.fixture(scope="module")
 def runs(images):
     """train.py on the class folders, and on fixed.csv: the folder split written down, with each val
-    image listed three times as a `test` row (15 rows: uneven shards over 2 processes)."""
+    image listed three times as a `test` row (15 rows)."""
     rows = images["fixed"].read_text(encoding="utf-8").splitlines()
     test = [r.replace(",val", ",test") for r in rows if r.endswith(",val")] * 3
     images["fixed"].write_text("\n".join(rows + test) + "\n", encoding="utf-8")
@@ -122,13 +123,11 @@ def test_label_file_run_equals_folder_run(images, runs):
         assert indices == {str(i): c for i, c in enumerate(images["folders"].classes)}
 
 
-def test_eval_only_on_test_rows_under_ddp(images, runs):
-    """--eval-only evaluates the file's test rows; over 2 processes each is counted once, exactly."""
+def test_eval_only_on_test_rows(images, runs):
+    """--eval-only evaluates the file's test rows, each counted once."""
     out = images["base"] / "eval"
-    proc = run_entry("train_multi_gpu_ddp.py", *FAST_ARGS, "--data-path", images["root"],
-                     f"data.labels={images['fixed']}", "--eval-only", "--resume",
-                     runs["file"] / "checkpoints" / "best.pt", "--output-dir", out, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train.main([*map(str, FAST_ARGS), "--data-path", str(images["root"]), f"data.labels={images['fixed']}",
+                "--eval-only", "--resume", str(runs["file"] / "checkpoints" / "best.pt"), "--output-dir", str(out)])
     result = json.loads((out / "eval.json").read_text())
     assert result["split"] == "test" and result["val_count"] == 15
     assert [sum(row) for row in result["val_confusion"]] == [3] * 5
@@ -175,15 +174,17 @@ def test_bad_label_file_is_one_error_line(images, tmp_path, case):
     assert "\n" not in str(e.value)
 
 
-def test_bad_label_file_stops_the_real_script(images, tmp_path):
-    """The user's view: one error: line, exit 2, no run directory made."""
+def test_bad_label_file_stops_the_real_script(images, tmp_path, capsys):
+    """The user's view, train.py's main: one error: line, exit 2, no run directory made."""
     file = _bad(images, tmp_path, BAD_FILES["missing images"][0])
-    proc = run_entry("train.py", *FAST_ARGS, "--data-path", images["root"], f"data.labels={file}",
-                     "--output-dir", tmp_path / "run")
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "4 of 6 row(s) name an image that does not exist" in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as e:
+        train.main([*map(str, FAST_ARGS), "--data-path", str(images["root"]), f"data.labels={file}",
+                    "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert e.value.code == 2 and len(errors) == 1, err
+    assert "4 of 6 row(s) name an image that does not exist" in errors[0]
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
 def test_labels_unseen_in_train_are_warned(images, tmp_path, capsys):
