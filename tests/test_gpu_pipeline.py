@@ -524,8 +524,8 @@ def _watch_decodes(monkeypatch):
     import weakref
     real, decoded, alive = gpu_pipeline._decode_jpegs, [], []
 
-    def decode(parts, device):
-        images = real(parts, device)
+    def decode(parts, *device_and_mode):
+        images = real(parts, *device_and_mode)
         decoded.extend(weakref.ref(img) for img in images)
         return images
 
