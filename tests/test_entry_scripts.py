@@ -26,6 +26,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from _resume_utils import run_main
 from conftest import FAST_ARGS, make_image_folder, run_entry
 from model import create_model
 from utils.config import load_config
@@ -290,26 +291,32 @@ def test_chinese_class_names_train_resume_and_stay_readable(tmp_path):
 
 # --------------------------------------------------------------------------- a one-process script under torchrun
 
-def test_one_process_scripts_under_torchrun_stop_before_reading_data(tmp_path):
+def launcher_refusal(script, world):
+    return (f"error: {script} trains as one process, but a launcher started {world} of them (WORLD_SIZE={world}): "
+            "each would train alone and all would write one run directory; launch train_multi_gpu_ddp.py instead "
+            "(or train_multi_gpu_fsdp.py to shard the model)")
+
+
+def test_one_process_scripts_under_torchrun_stop_before_reading_data(tmp_path, monkeypatch, capsys):
     """`torchrun --nproc_per_node=2 train.py` started two trainings that knew nothing of each other and
     wrote one run directory (4 metrics lines for 2 epochs). Both one-process scripts stop, in one line
     that names the script to use, before reading any data (a missing --data-path is never reached)
-    and without writing anything under their working directory."""
-    scripts = ("train.py", "train_multi_gpu_dp.py")
-    for script in scripts:
-        (tmp_path / script).mkdir()
+    and without writing anything under their working directory. train.py under the real torchrun;
+    the DataParallel script in this process, with the WORLD_SIZE torchrun sets (one torch start-up less)."""
+    (tmp_path / "train").mkdir()
+    proc = run_entry("train.py", *FAST_ARGS, "--data-path", tmp_path / "no_such_data", nproc=2, cwd=tmp_path / "train")
+    text = proc.stdout + proc.stderr
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors == [launcher_refusal("train.py", 2)], text[-3000:]
+    assert "exitcode  : 2" in text, text[-3000:]  # torchrun's summary: the usage exit code, on a rank
+    assert list((tmp_path / "train").iterdir()) == []
 
-    def launch(script):
-        return run_entry(script, *FAST_ARGS, "--data-path", tmp_path / "no_such_data", nproc=2, cwd=tmp_path / script)
-
-    with ThreadPoolExecutor(len(scripts)) as pool:
-        procs = dict(zip(scripts, pool.map(launch, scripts)))
-    for script, proc in procs.items():
-        text = proc.stdout + proc.stderr
-        errors = [line for line in text.splitlines() if line.startswith("error:")]
-        assert proc.returncode != 0 and errors == [
-            f"error: {script} trains as one process, but a launcher started 2 of them (WORLD_SIZE=2): each would "
-            "train alone and all would write one run directory; launch train_multi_gpu_ddp.py instead (or "
-            "train_multi_gpu_fsdp.py to shard the model)"], (script, text[-3000:])
-        assert "exitcode  : 2" in text, text[-3000:]  # torchrun's summary: the usage exit code, on a rank
-        assert list((tmp_path / script).iterdir()) == [], script
+    import train_multi_gpu_dp
+    (tmp_path / "dp").mkdir()
+    monkeypatch.chdir(tmp_path / "dp")
+    for key, value in {"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    code = run_main(train_multi_gpu_dp, [*FAST_ARGS, "--data-path", str(tmp_path / "no_such_data")], monkeypatch)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and errors == [launcher_refusal("train_multi_gpu_dp.py", 3)], errors
+    assert list((tmp_path / "dp").iterdir()) == []

@@ -117,8 +117,7 @@ def test_eval_only_reproduces_the_logged_best_acc(single, trained_run):
         assert single["val_confusion"] == best["val_confusion"] and single["val_f1"] == best["val_f1"]
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_eval_only_is_exact_under_ddp(mislabelled_single, mislabelled, trained_run, tmp_path, nproc):
+def test_eval_only_is_exact_under_ddp(mislabelled_single, mislabelled, trained_run, tmp_path, nproc=3):
     """The worst mistakes are gathered over ranks and merged: the same images, in the same order."""
     single = mislabelled_single
     got = evaluate_with("train_multi_gpu_ddp.py", trained_run, tmp_path / "ddp", nproc, "--data-path", mislabelled,
