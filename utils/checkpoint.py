@@ -149,14 +149,19 @@ class RunState:
         """A checkpoint's run state (best_weights "model" in one written before the EMA existed; single-label
         in one written before multi-label)."""
         return cls(state["epoch"], state["global_step"], state["best_acc"], state.get("best_weights", "model"),
-                   *label_task(state))
+                   bool(state.get("multilabel", False)), state.get("thresholds"))
 
 
 def label_task(state):
-    """(multilabel, thresholds or None) of a checkpoint: how its outputs are read (predict, export, eval)."""
-    multilabel = bool(state.get("multilabel", False))
-    thresholds = state.get("thresholds") if multilabel else None
-    return multilabel, (list(thresholds) if thresholds is not None else None)
+    """(multilabel, thresholds or None) of a checkpoint: how its outputs are read (predict, export, eval).
+    A multi-label checkpoint written before its first evaluation has its config's eval.threshold for each label."""
+    if not state.get("multilabel", False):
+        return False, None
+    thresholds = state.get("thresholds")
+    if thresholds is None:
+        threshold = float(((state.get("config") or {}).get("eval") or {}).get("threshold", 0.5))
+        thresholds = [threshold] * len(state.get("classes") or [])
+    return True, list(thresholds)
 
 
 def make_state(model, optimizer, scheduler, scaler, run_state, config, classes, ranks=None, epoch_step=0,
