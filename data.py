@@ -18,6 +18,9 @@ Two layouts are accepted under `data.path`:
     root/train/daisy/*.jpg ... and root/val/daisy/*.jpg ...           split already made
     root/train/, root/val/ and root/test/                              test/ is what --eval-only evaluates
 
+or a label file (data.labels, utils/label_file.py) lists the images under `data.path` and their labels,
+one or several per image, with an optional split column (train/val/test) that fixes the split.
+
 The split is per class and driven by its own seeded generator, so it is the
 same on every rank and every run and never touches the global RNG.
 
@@ -35,6 +38,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
@@ -45,6 +49,7 @@ from utils.decoding import BadImage, DraftRandomResizedCrop, DraftResize, load_i
 from utils.distributed_utils import broadcast_object, gather_objects, get_rank, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
+from utils.label_file import read_label_file
 from utils.loader import PREFETCH_FACTOR, PersistentLoader, collate, reseed_worker
 from utils.normalization import normalize
 from utils.sample_list import BadStatus, SampleList, verify_images
@@ -63,10 +68,14 @@ class Split:
     val: list
     ignored: list = field(default_factory=list)   # hidden and non-image files found under the root
     test: list = field(default_factory=list)      # root/test/, when the root has one: for --eval-only
+    multilabel: bool = False  # samples are (path, sorted tuple of class indices): data.labels, data.task
 
 
-def split_dataset(root, val_rate=0.2, split_seed=0):
-    """Read the class folders under `root` and split them into train/val (no collectives: see shared_split)."""
+def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
+    """Read the class folders under `root` (or the label file `labels`) and split them into train/val
+    (no collectives: see shared_split). task (data.task): auto, single or multi-label."""
+    if labels:
+        return _label_file_split(root, labels, val_rate, split_seed, task)
     _walk.cache_clear()
     root = Path(root)
     if not root.is_dir():
@@ -91,14 +100,7 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
         for label, name in enumerate(classes):
             files = _images_in(root / name, ignored)
             order = torch.randperm(len(files), generator=gen).tolist()
-            n_val = int(round(len(files) * val_rate))
-            if n_val == len(files):
-                raise UserError(f"class '{name}' has {len(files)} image(s) and data.val_rate={val_rate} "
-                                "puts all of them in validation, none in training; lower data.val_rate "
-                                "or add images")
-            if n_val == 0 and val_rate > 0:
-                warn(f"class '{name}' has {len(files)} image(s): data.val_rate={val_rate} leaves it "
-                     "no validation image, so val_acc does not measure it")
+            n_val = _val_count(name, len(files), val_rate)
             for i, idx in enumerate(order):
                 (split.val if i < n_val else split.train).append((files[idx], label))
     if not classes and ignored:
@@ -115,10 +117,112 @@ def split_dataset(root, val_rate=0.2, split_seed=0):
         warn(f"ignored {len(ignored)} file(s) under '{root}' that are not images "
              f"({hidden} hidden), e.g. '{ignored[0]}'")
     _walk.cache_clear()
+    if task == "multi":  # class folders trained as multi-label: one label per image
+        split.multilabel = True
+        for part in ("train", "val", "test"):
+            setattr(split, part, [(p, (label,)) for p, label in getattr(split, part)])
     return split
 
 
-def shared_split(root, val_rate=0.2, split_seed=0):
+def _val_count(name, n, val_rate):
+    """How many of a class's n images go to validation; none left for training is refused."""
+    n_val = int(round(n * val_rate))
+    if n_val == n:
+        raise UserError(f"class '{name}' has {n} image(s) and data.val_rate={val_rate} "
+                        "puts all of them in validation, none in training; lower data.val_rate "
+                        "or add images")
+    if n_val == 0 and val_rate > 0:
+        warn(f"class '{name}' has {n} image(s): data.val_rate={val_rate} leaves it "
+             "no validation image, so val_acc does not measure it")
+    return n_val
+
+
+def _label_file_split(root, labels, val_rate, split_seed, task):
+    """data.labels -> Split. The file's split column fixes the split; without one, each class is split
+    as its folder would be (the same images give the same split). A multi-label row goes with its
+    rarest label (fewest rows; ties: the first class), so a rare label still gets its share of val."""
+    table = read_label_file(labels, root)
+    if task == "single" and table.multi_rows:
+        first = int(np.flatnonzero(np.diff(table.samples.label_offsets) > 1)[0])
+        raise UserError(f"data.task=single, but {table.multi_rows} row(s) of data.labels '{labels}' name several "
+                        f"labels, e.g. line {table.lines[first]}; set data.task=multi (or auto), or give one "
+                        "label per row")
+    samples, classes = table.samples, table.classes
+    multilabel = table.multilabel or task == "multi"
+    if multilabel and not samples.multilabel:
+        samples = SampleList.from_arrays([p for p, _ in samples], label_offsets=np.arange(len(samples) + 1),
+                                         label_values=samples.labels)
+    if len(classes) < (1 if multilabel else 2):
+        raise UserError(f"data.labels '{labels}' names {len(classes)} class(es); a classifier needs at least 2")
+    split = Split(classes, [], [], multilabel=multilabel)
+    if table.split is not None:
+        for code, part in enumerate(("train", "val", "test")):
+            setattr(split, part, samples.take(np.flatnonzero(table.split == code)))
+        if not len(split.val):
+            raise UserError(f"data.labels '{labels}' has a split column but no 'val' row; mark some rows val")
+    else:
+        train, val = _seeded_split(samples, classes, val_rate, split_seed)
+        split.train, split.val = samples.take(train), samples.take(val)
+    if not len(split.train):
+        raise UserError(f"data.labels '{labels}' has no training rows")
+    _warn_unseen_labels(split, labels)
+    return split
+
+
+def _seeded_split(samples, classes, val_rate, split_seed):
+    """(train rows, val rows) of a label file without a split column, as split_dataset splits folders: per
+    class, rows in path order, one seeded generator over the classes in order."""
+    if samples.multilabel:
+        counts = np.bincount(samples.label_values, minlength=len(classes))
+        # Each row's rarest label: the smallest (row count, class index) among its labels.
+        score = counts[samples.label_values] * len(classes) + samples.label_values
+        rows = np.repeat(np.arange(len(samples)), np.diff(samples.label_offsets))
+        best = np.full(len(samples), np.iinfo(np.int64).max)
+        np.minimum.at(best, rows, score)
+        key = best % len(classes)
+    else:
+        key = samples.labels
+    by_path = np.argsort(_path_bytes(samples), kind="stable")
+    order = by_path[np.argsort(key[by_path], kind="stable")]
+    bounds = np.searchsorted(key[order], np.arange(len(classes) + 1))
+    gen = torch.Generator().manual_seed(split_seed)
+    train, val = [], []
+    for label, name in enumerate(classes):
+        rows = order[bounds[label]:bounds[label + 1]]
+        if not len(rows):
+            continue  # a label only ever second to a rarer one
+        perm = torch.randperm(len(rows), generator=gen).numpy()
+        n_val = _val_count(name, len(rows), val_rate)
+        val.append(rows[perm[:n_val]])
+        train.append(rows[perm[n_val:]])
+    return np.concatenate(train), np.concatenate(val)
+
+
+def _path_bytes(samples):
+    """Every path as a fixed-width bytes array: sorts as the strings do, without a str per row."""
+    lengths = np.diff(samples.offsets)
+    width = max(int(lengths.max()), 1)
+    grid = np.zeros((len(samples), width), dtype=np.uint8)
+    mask = np.arange(width) < lengths[:, None]
+    grid[mask] = samples.paths
+    return grid.view(f"S{width}").ravel()
+
+
+def _warn_unseen_labels(split, labels):
+    """A label with no training image cannot be learnt: say which, before training."""
+    def counts(samples):
+        values = samples.label_values if samples.multilabel else samples.labels
+        return np.bincount(values, minlength=len(split.classes))
+    in_train, in_val = counts(split.train), counts(split.val)
+    for what, which in (("no positive in train", (in_train == 0) & (in_val == 0)),
+                        ("in val but never in train", (in_train == 0) & (in_val > 0))):
+        names = [split.classes[i] for i in np.flatnonzero(which)]
+        if names:
+            warn(f"data.labels '{labels}': {len(names)} label(s) {what}, e.g. "
+                 f"{', '.join(map(repr, names[:3]))}; the model cannot learn them")
+
+
+def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
     """split_dataset, run by global rank 0 alone and handed to every rank (one broadcast).
 
     One scan instead of one per rank: no metadata storm on a shared filesystem, and the
@@ -128,14 +232,16 @@ def shared_split(root, val_rate=0.2, split_seed=0):
     result = None
     if get_rank() == 0:
         try:
-            result = ("ok", split_dataset(root, val_rate, split_seed))
+            result = ("ok", split_dataset(root, val_rate, split_seed, labels, task))
         except UserError as e:
             result = ("error", str(e), e.exit_code)
     result = broadcast_object(result)
     if result[0] == "error":
         raise UserError(result[1], exit_code=result[2], every_rank=True)
     split = result[1]
-    probes = [str(root)] + [samples[0][0] for samples in (split.train, split.val) if samples]
+    # A label file's images may lie anywhere (absolute paths): the first images are the probe.
+    probes = [] if labels else [str(root)]
+    probes += [samples[0][0] for samples in (split.train, split.val) if len(samples)]
     mine = None if all(os.path.exists(p) for p in probes) else node_name()
     missing = sorted({name for name in gather_objects(mine) if name})
     if missing:
@@ -195,37 +301,43 @@ def build_datasets(data_cfg, eval_only=False):
     eval_only: no training set (None: nothing of it is checked, decoded or loaded), and the
     second dataset is root/test/ when the root has one (its `split` says which).
     """
-    split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed)
+    split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed, data_cfg.labels, data_cfg.task)
     if eval_only:
-        split.train, split.val = [], split.test or split.val
+        split.train, split.val = [], split.test if len(split.test) else split.val
+    train, val = (s if isinstance(s, SampleList) else SampleList(s, multilabel=split.multilabel)
+                  for s in (split.train, split.val))
     known_bad = 0
     if data_cfg.verify:
-        bad = verify_images([p for p, _ in split.train + split.val], data_cfg.max_image_pixels)
+        bad = verify_images([p for s in (train, val) for p, _ in s], data_cfg.max_image_pixels)
         for _, why in bad:
             warn(f"verify: {why}")
         if bad and data_cfg.bad_image == "error":
             raise BadImageError(f"data.verify found {len(bad)} unreadable image(s), listed above; fix or "
                                 "remove them, or set data.bad_image=warn to skip them")
         if is_main_process():
-            print(f"verify: {len(split.train) + len(split.val)} images checked, {len(bad)} unreadable"
+            print(f"verify: {len(train) + len(val)} images checked, {len(bad)} unreadable"
                   + (" (skipped)" if bad else ""), flush=True)
-        bad_paths = {path for path, _ in bad}
-        split.train = [s for s in split.train if s[0] not in bad_paths]
-        split.val = [s for s in split.val if s[0] not in bad_paths]
+        if bad:
+            bad_paths = {path for path, _ in bad}
+            train, val = (s.take([i for i, (p, _) in enumerate(s) if p not in bad_paths]) for s in (train, val))
         known_bad = len(bad)
     train_tf, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
-    opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels)
-    held_out = ImageList(split.val, val_tf, **opts)
-    held_out.split = "test" if eval_only and split.test else "val"
+    opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels, num_classes=len(split.classes))
+    held_out = ImageList(val, val_tf, **opts)
+    held_out.split = "test" if eval_only and len(split.test) else "val"
     # data.pipeline's choice is the training transform's; the held-out loader takes the same path.
     held_out.train_transform = train_tf
-    train_set = None if eval_only else ImageList(split.train, train_tf, known_bad=known_bad, **opts)
+    train_set = None if eval_only else ImageList(train, train_tf, known_bad=known_bad, **opts)
     return train_set, held_out, split.classes
 
 
 class ImageList(Dataset):
     """(path, label) pairs -> (tensor, label); any image mode becomes RGB. The pairs are kept as
     a SampleList (`samples`), which forked workers read without copying it.
+
+    Multi-label samples (path, tuple of class indices) give (tensor, target), target a float32
+    multi-hot (num_classes,): 1.0 for each of the image's labels. `multilabel` and `num_classes`
+    (given, or one more than the largest label) say which.
 
     An unreadable image is replaced by the next readable one (same index ->
     same substitute, so batch sizes, step counts and DDP shards stay equal),
@@ -236,8 +348,11 @@ class ImageList(Dataset):
     The training loop calls `sync_bad_images` of any dataset that has one.
     """
 
-    def __init__(self, samples, transform=None, bad_image="warn", max_pixels=0, known_bad=0):
+    def __init__(self, samples, transform=None, bad_image="warn", max_pixels=0, known_bad=0, num_classes=None):
         self.samples = samples if isinstance(samples, SampleList) else SampleList(samples)
+        self.multilabel = self.samples.multilabel
+        values = self.samples.label_values if self.multilabel else self.samples.labels
+        self.num_classes = num_classes if num_classes is not None else int(values.max(initial=-1)) + 1
         self.transform = transform
         self.bad_image = bad_image
         self.max_pixels = max_pixels
@@ -250,8 +365,17 @@ class ImageList(Dataset):
 
     @property
     def targets(self):
-        """The class index of every sample (torchvision's name for it, as in ImageFolder)."""
-        return self.samples.labels.tolist()
+        """The class index of every sample (torchvision's name for it, as in ImageFolder); for
+        multi-label, each sample's tuple of class indices."""
+        return self.samples.label_tuples() if self.multilabel else self.samples.labels.tolist()
+
+    def target(self, label):
+        """A sample's label as the loop takes it: the class index, or the multi-hot float32 vector."""
+        if not self.multilabel:
+            return label
+        hot = torch.zeros(self.num_classes, dtype=torch.float32)
+        hot[list(label)] = 1.0
+        return hot
 
     def __getitem__(self, index):
         n = len(self.samples)
@@ -270,7 +394,7 @@ class ImageList(Dataset):
                 if self.report_now:
                     print(f"warning: skipping unreadable image: {e}", file=sys.stderr, flush=True)
                 continue
-            return img, label
+            return img, self.target(label)
         raise UserError(f"none of the {n} images could be read (see the warnings above)", RUNTIME_EXIT)
 
     def __getitems__(self, indices):
@@ -313,7 +437,14 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     # The fast path (data.pipeline, utils/gpu_pipeline.py) reproduces the dataset's training transform, or
     # refuses; a held-out set carries the one it was built beside (build_datasets).
     augment = getattr(dataset, "transform", None) if train else getattr(dataset, "train_transform", None)
-    if resolve_pipeline(data_cfg.pipeline, device, augment) == "gpu":
+    pipeline = resolve_pipeline(data_cfg.pipeline, device, augment)
+    if pipeline == "gpu" and getattr(dataset, "multilabel", False):
+        # Its cache and batches carry one class index per image, not a multi-hot vector.
+        if data_cfg.pipeline == "gpu":
+            raise UserError("data.pipeline=gpu takes single-label data only, and this data is multi-label; "
+                            "use data.pipeline=pil (or auto)", every_rank=True)
+        pipeline = "pil"
+    if pipeline == "gpu":
         return GpuLoader(dataset, batch_size, sampler, data_cfg, device, train, workers=workers,
                          channels_last=use_channels_last(channels_last, device), verbose=is_main_process(),
                          procs_per_node=procs_per_node, prefetch_factor=PREFETCH_FACTOR)

@@ -6,6 +6,8 @@ run replays it. Evaluation shards are not padded, so each image is counted once.
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
+from utils.errors import UserError
+
 
 def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
     """Training order that depends only on (seed, epoch), set with set_epoch().
@@ -23,6 +25,9 @@ def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
     if kind == "shuffle":
         return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
     if kind == "balanced":
+        if getattr(dataset, "multilabel", False):
+            raise UserError("data.sampler=balanced draws each class equally often, which a multi-label image "
+                            "(several classes at once) cannot be; use data.sampler=shuffle", every_rank=True)
         if not hasattr(dataset, "targets"):
             raise TypeError(f"{type(dataset).__name__} has no .targets (a label per sample) to balance classes by")
         return BalancedSampler(list(dataset.targets), seed, num_replicas, rank)
