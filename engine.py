@@ -696,7 +696,7 @@ def _worst_multilabel(index, probs, targets, thresholds, losses, k, dataset):
     order = key.sort(descending=True, stable=True).indices[:k]
     samples = getattr(dataset, "samples", None)
     return [{"index": int(index[i]), "path": str(samples[int(index[i])][0]) if samples is not None else None,
-             "labels": targets[i].nonzero().flatten().tolist(), "predicted": pred[i].nonzero().flatten().tolist(),
+             "labels": targets[i].nonzero().flatten().tolist(), "preds": pred[i].nonzero().flatten().tolist(),
              "loss": losses[i].item()} for i in order.tolist() if wrong[i]]
 
 
@@ -1012,7 +1012,7 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     val.pop("val_pr", None)
     if multilabel:
         val["val_worst"] = [{**w, "true": [classes[c] for c in w["labels"]],
-                             "predicted": [classes[c] for c in w["predicted"]]} for w in val.get("val_worst", [])]
+                             "predicted": [classes[c] for c in w["preds"]]} for w in val.get("val_worst", [])]
         val["labels"] = [{"label": name, **{k: val[f"val_{k}"][c] for k in PER_LABEL}}
                          for c, name in enumerate(classes)]
     else:

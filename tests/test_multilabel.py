@@ -152,3 +152,150 @@ def test_mixing_mixes_the_multi_hot_targets_with_the_images_weight(mixup, cutmix
         lam = own.mean(dim=(1, 2, 3))
         assert torch.allclose(lam, lam[0].expand(4), atol=1e-6)
         assert torch.allclose(soft, lam[0] * targets + (1 - lam[0]) * targets.roll(1, 0), atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the entry scripts on a label file
+
+import csv  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+
+import export  # noqa: E402
+import predict  # noqa: E402
+import train  # noqa: E402
+from _resume_utils import assert_same_weights, load, one_thread, run_args, run_main  # noqa: E402,F401
+from conftest import FAST_ARGS, SESSION_FOLDERS, run_entry  # noqa: E402,F401
+from demo import meadow  # noqa: E402
+from model import load_trained  # noqa: E402
+from test_resume import _resume_from_message, signal_on_training_batch  # noqa: E402
+
+# Every option of the multi-label loss, mixing and thresholds at once; 2 epochs of 6 steps (26 train rows, batch 4).
+RECIPE = ["optim.class_weights=auto", "optim.label_smoothing=0.1", "data.mixup_alpha=0.4", "data.cutmix_alpha=1.0",
+          "eval.tune_thresholds=true", "train.figures=true", "train.worst_images=4", "data.min_crop_scale=0.6"]
+EPOCHS = 2
+
+
+def rows_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def meadows(tmp_path_factory):
+    """33 small meadows of demo/meadow.py and their label file: 26 train / 7 val rows (7: not divisible by 2 or 3)."""
+    root = meadow.generate(tmp_path_factory.mktemp("meadow") / "set", images=33, min_size=40, max_size=56)
+    return root, root / "labels.csv"
+
+
+def run_of(meadows, out, *extra, epochs=EPOCHS, flags=()):
+    root, labels = meadows
+    return run_args(root, out, f"data.labels={labels}", *RECIPE, *extra, epochs=epochs, flags=flags)
+
+
+@pytest.fixture(scope="module")
+def trained(meadows, tmp_path_factory, one_thread):
+    """train.py (its main, in this process) on the label file: the run every after-training test reads."""
+    out = tmp_path_factory.mktemp("ml_run") / "run"
+    mp = pytest.MonkeyPatch()
+    try:
+        assert run_main(train, run_of(meadows, out), mp) == 0
+    finally:
+        mp.undo()
+    return out
+
+
+def test_a_label_file_run_trains_multi_label_and_keeps_its_thresholds(trained):
+    rows = rows_of(trained / "metrics.jsonl")
+    assert len(rows) == EPOCHS
+    last = rows[-1]
+    for key in ("val_map", "val_micro_f1", "val_macro_f1", "val_exact_match", "best_map"):
+        assert 0 <= last[key] <= 1, key
+    assert "val_acc" not in last and "val_confusion" not in last
+    assert len(last["val_f1"]) == len(last["val_ap"]) == len(last["val_threshold"]) == 5
+    assert last["best_map"] == max(r["val_map"] for r in rows)
+    best = next(r for r in rows if r["val_map"] == last["best_map"])
+    state = load(trained / "checkpoints" / "best.pt")
+    assert state["multilabel"] is True and state["best_acc"] == last["best_map"]
+    assert state["thresholds"] == best["val_threshold"]  # tuned on that epoch's validation scores
+    assert load(trained / "checkpoints" / "last.pt")["thresholds"] == last["val_threshold"]
+    assert any(t != 0.5 for t in last["val_threshold"])
+
+
+def test_tensorboard_has_a_pr_curve_per_label_the_f1_bars_and_the_worst_mistakes(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(trained), size_guidance={"images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    classes = list(json.loads((trained / "class_indices.json").read_text()).values())
+    assert {f"val_pr/{c}" for c in classes} <= set(tags["tensors"])
+    assert len(acc.Tensors(f"val_pr/{classes[0]}")) == EPOCHS
+    assert {"val/per_label_f1", "val/worst_mistakes", "train/augmented_samples"} <= set(tags["images"])
+    assert "val/confusion_matrix" not in tags["images"]
+
+
+def test_predict_prints_the_labels_at_their_thresholds_and_writes_every_probability(trained, meadows, capsys):
+    root, _ = meadows
+    images = sorted((root / "images").glob("*.jpg"))[-7:]
+    out = trained / "preds.csv"
+    rows = predict.main([str(trained), *map(str, images), "--out", str(out), "--device", "cpu"])
+    printed = capsys.readouterr().out.splitlines()
+    model, classes, *_ = load_trained(trained)
+    thresholds = load(trained / "checkpoints" / "best.pt")["thresholds"]
+    table = list(csv.DictReader(out.open(encoding="utf-8")))
+    assert len(table) == len(rows) == 7 and list(table[0]) == ["path", "labels", *classes]
+    for line, row in zip(printed, table):
+        probs = {c: float(row[c]) for c in classes}
+        on = [c for c in sorted(classes, key=lambda c: -probs[c]) if probs[c] >= thresholds[classes.index(c)]]
+        assert row["labels"] == ";".join(on)
+        assert line.split()[1:] == ([x for c in on for x in (c, f"{probs[c]:.3f}")] or ["(no", "label)"])
+    predict.main([str(trained), *map(str, images[:2]), "--out", str(trained / "preds.json"), "--device", "cpu"])
+    first = json.loads((trained / "preds.json").read_text())[0]
+    assert set(first["probs"]) == set(classes) and all(p["prob"] >= thresholds[classes.index(p["class"])]
+                                                       for p in first["labels"])
+
+
+def test_eval_only_writes_the_per_label_table_at_the_checkpoints_thresholds(trained, meadows, tmp_path, monkeypatch):
+    out = tmp_path / "eval"
+    best = trained / "checkpoints" / "best.pt"
+    root, labels = meadows
+    args = run_args(root, out, f"data.labels={labels}", flags=["--eval-only", "--resume", best])
+    assert run_main(train, args, monkeypatch) == 0
+    got = json.loads((out / "eval.json").read_text())
+    logged = next(r for r in rows_of(trained / "metrics.jsonl") if r["val_map"] == load(best)["best_acc"])
+    for key in ("val_map", "val_micro_f1", "val_macro_f1", "val_exact_match", "val_f1", "val_threshold"):
+        assert got[key] == logged[key], key  # the same weights, images and thresholds: exactly
+    table = got["labels"]
+    assert [r["label"] for r in table] == got["classes"] and set(table[0]) == {"label", "precision", "recall", "f1",
+                                                                               "ap", "threshold", "positives"}
+    assert [r["f1"] for r in table] == got["val_f1"] and [r["threshold"] for r in table] == load(best)["thresholds"]
+    assert sum(r["positives"] for r in table) >= got["val_count"] == 7
+    assert (out / "per_label_f1.png").is_file() and not (out / "confusion_matrix.png").exists()
+
+
+def test_export_says_sigmoid_and_its_outputs_match_the_eager_model(trained, tmp_path):
+    out = tmp_path / "m.torchscript.pt"
+    assert export.main([str(trained), "--format", "torchscript", "--out", str(out)]) <= 1e-4
+    side = json.loads(out.with_name(out.name + ".json").read_text())
+    assert side["activation"] == "sigmoid" and side["multilabel"] is True
+    assert side["thresholds"] == load(trained / "checkpoints" / "best.pt")["thresholds"]
+    model, *_ = load_trained(trained)
+    x = torch.randn(5, 3, 32, 32)
+    with torch.no_grad():
+        assert (torch.jit.load(str(out))(x) - model(x)).abs().max().item() <= 1e-4
+
+
+def test_a_run_stopped_mid_epoch_resumes_bit_for_bit(trained, meadows, tmp_path, monkeypatch, capsys):
+    """SIGINT at epoch 2's 4th step (of 6); the printed command resumes; weights, optimizer, thresholds
+    and metrics.jsonl (timings aside) end as the uninterrupted run's."""
+    out = tmp_path / "run"
+    signal_on_training_batch(monkeypatch, 6 + 4, signal.SIGINT)
+    code = run_main(train, run_of(meadows, out), monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGINT, err
+    assert load(out / "checkpoints" / "last.pt")["epoch_step"] == 4
+    monkeypatch.undo()
+    assert run_main(train, _resume_from_message(err), monkeypatch) == 0
+    assert_same_weights(trained / "checkpoints" / "last.pt", out / "checkpoints" / "last.pt")
+    assert load(trained / "checkpoints" / "last.pt")["thresholds"] == load(out / "checkpoints" / "last.pt")["thresholds"]
+    timing = {"time", "epoch_seconds", "img_per_s", "train_seconds", "val_seconds", "train_data_wait", "figure_seconds"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows_of(out / "metrics.jsonl")] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in rows_of(trained / "metrics.jsonl")]

@@ -209,7 +209,7 @@ def worst_picture(worst, classes, dataset):
     if worst and "labels" in worst[0]:
         def names(ids):
             return ";".join(classes[c] for c in ids) or "(none)"
-        titles = [f"{names(w['labels'])}\n-> {names(w['predicted'])}  {w['loss']:.2f}" for w in worst]
+        titles = [f"{names(w['labels'])}\n-> {names(w['preds'])}  {w['loss']:.2f}" for w in worst]
         title = "worst mistakes (true labels -> predicted labels, loss)"
     else:
         titles = [f"{classes[w['label']]} -> {classes[w['pred']]}\n{w['prob']:.0%}" for w in worst]
