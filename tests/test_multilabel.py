@@ -284,7 +284,7 @@ def test_export_says_sigmoid_and_its_outputs_match_the_eager_model(trained, tmp_
 
 
 def test_a_run_stopped_mid_epoch_resumes_bit_for_bit(trained, meadows, tmp_path, monkeypatch, capsys):
-    """SIGINT at epoch 2's 4th step (of 6); the printed command resumes; weights, optimizer, thresholds
+    """SIGINT at epoch 2's 4th step (of 6; its checkpoint holds epoch 1's thresholds); the printed command resumes; weights, optimizer, thresholds
     and metrics.jsonl (timings aside) end as the uninterrupted run's."""
     out = tmp_path / "run"
     signal_on_training_batch(monkeypatch, 6 + 4, signal.SIGINT)
@@ -299,3 +299,57 @@ def test_a_run_stopped_mid_epoch_resumes_bit_for_bit(trained, meadows, tmp_path,
     timing = {"time", "epoch_seconds", "img_per_s", "train_seconds", "val_seconds", "train_data_wait", "figure_seconds"}
     assert [{k: v for k, v in r.items() if k not in timing} for r in rows_of(out / "metrics.jsonl")] == \
         [{k: v for k, v in r.items() if k not in timing} for r in rows_of(trained / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def one_process_eval(trained, meadows, tmp_path_factory, one_thread):
+    """--eval-only of best.pt in one process, each image its own batch (so every logit is computed alone,
+    as under any world size), thresholds tuned on these scores."""
+    out = tmp_path_factory.mktemp("ml_eval") / "one"
+    root, labels = meadows
+    args = run_args(root, out, f"data.labels={labels}", "--batch-size", "1", "eval.tune_thresholds=true",
+                    "train.worst_images=4", flags=["--eval-only", "--resume", trained / "checkpoints" / "best.pt"])
+    mp = pytest.MonkeyPatch()
+    try:
+        assert run_main(train, args, mp) == 0
+    finally:
+        mp.undo()
+    return json.loads((out / "eval.json").read_text()), args
+
+
+def test_the_one_process_metrics_equal_the_reference_on_the_same_scores(one_process_eval, trained, meadows):
+    import data
+    from utils.config import load_config
+    from utils.normalization import model_input, normalization_of
+    got, args = one_process_eval
+    cfg = load_config([a for a in args if a not in ("--eval-only", "--resume", str(trained / "checkpoints" / "best.pt"))])
+    _, val_set, _ = data.build_datasets(cfg.data)
+    model, *_ = load_trained(trained)
+    norm = normalization_of(val_set, torch.device("cpu"))
+    with torch.no_grad():  # one image at a time, as the evaluation ran
+        probs = torch.cat([model(model_input(val_set[i][0][None], torch.device("cpu"), norm))
+                           for i in range(len(val_set))]).double().sigmoid()
+    truth = torch.stack([val_set[i][1] for i in range(len(val_set))]).bool()
+    ref = reference_metrics(probs.numpy(), truth.numpy(), np.array(got["val_threshold"]))
+    assert_report_matches(got, ref, tol=1e-6)
+    for c in range(5):  # the tuned thresholds: each label's best F1 over every cut of its scores
+        s, y = probs[:, c].numpy(), truth[:, c].numpy()
+        if y.any():
+            assert got["val_f1"][c] == pytest.approx(max(2 * np.sum((s >= t) & y) / (np.sum(s >= t) + np.sum(y))
+                                                         for t in np.unique(s)), abs=1e-9)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_ddp_multi_label_metrics_equal_one_process(one_process_eval, tmp_path, nproc):
+    """train_multi_gpu_ddp.py --eval-only under torchrun (gloo): every rank's scores gathered in dataset
+    order, so the metrics, tuned thresholds and worst mistakes are exactly the one-process ones."""
+    single, args = one_process_eval
+    out = tmp_path / "ddp"
+    args = [out if a == args[args.index("--output-dir") + 1] else a for a in args]
+    proc = run_entry("train_multi_gpu_ddp.py", *args, nproc=nproc)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    got = json.loads((out / "eval.json").read_text())
+    assert set(got) == set(single)
+    for key in set(single) - {"checkpoint"}:
+        assert got[key] == single[key], key
+
