@@ -106,6 +106,24 @@ def test_tuned_thresholds_give_each_label_its_best_f1():
     assert average_precision(probs, truth)[4].isnan()
 
 
+def test_the_gathered_scores_are_in_dataset_order_whatever_the_ranks_shards(monkeypatch):
+    """Each rank's shard arrives with its dataset indices; the whole set comes back ordered by them, as one
+    process holds it (here a second rank's shard is faked into the gather)."""
+    import engine
+
+    class Loader:
+        sampler, dataset = [3, 0, 5], range(6)
+
+    scores = engine._AllScores(Loader(), torch.device("cpu"), 2)
+    logits = torch.arange(6.0).view(6, 1).expand(6, 2)  # row of dataset index i: all i
+    scores.add(logits[[3, 0, 5]], torch.ones(3, 2))
+    other = (torch.tensor([4, 1, 2]), logits[[4, 1, 2]], torch.zeros(3, 2, dtype=torch.bool))
+    monkeypatch.setattr(engine, "gather_objects", lambda mine: [other, mine])
+    index, got, targets = scores.gathered()
+    assert index.tolist() == list(range(6)) and torch.equal(got, logits)
+    assert targets[:, 0].tolist() == [True, False, False, True, False, True]
+
+
 # --------------------------------------------------------------------------- the loss and the mixing
 
 def test_loss_is_sigmoid_bce_with_pos_weight_and_binary_label_smoothing():
@@ -232,7 +250,8 @@ def test_tensorboard_has_a_pr_curve_per_label_the_f1_bars_and_the_worst_mistakes
     assert "val/confusion_matrix" not in tags["images"]
 
 
-def test_predict_prints_the_labels_at_their_thresholds_and_writes_every_probability(trained, meadows, capsys):
+def test_predict_prints_the_labels_at_their_thresholds_and_writes_every_probability(trained, meadows, val_scores,
+                                                                                     capsys):
     root, _ = meadows
     images = sorted((root / "images").glob("*.jpg"))[-7:]
     out = trained / "preds.csv"
@@ -242,6 +261,8 @@ def test_predict_prints_the_labels_at_their_thresholds_and_writes_every_probabil
     thresholds = load(trained / "checkpoints" / "best.pt")["thresholds"]
     table = list(csv.DictReader(out.open(encoding="utf-8")))
     assert len(table) == len(rows) == 7 and list(table[0]) == ["path", "labels", *classes]
+    # The last 7 meadows are the val rows: their sigmoid probabilities, to the file's 6 decimals.
+    assert np.array([[float(r[c]) for c in classes] for r in table]) == pytest.approx(val_scores[0].numpy(), abs=2e-6)
     for line, row in zip(printed, table):
         probs = {c: float(row[c]) for c in classes}
         on = [c for c in sorted(classes, key=lambda c: -probs[c]) if probs[c] >= thresholds[classes.index(c)]]
@@ -317,19 +338,26 @@ def one_process_eval(trained, meadows, tmp_path_factory, one_thread):
     return json.loads((out / "eval.json").read_text()), args
 
 
-def test_the_one_process_metrics_equal_the_reference_on_the_same_scores(one_process_eval, trained, meadows):
+@pytest.fixture(scope="module")
+def val_scores(trained, meadows):
+    """best.pt's sigmoid probabilities of the 7 val meadows, each image alone (as the evaluations run), and their
+    0/1 targets, in label-file order."""
     import data
     from utils.config import load_config
     from utils.normalization import model_input, normalization_of
-    got, args = one_process_eval
-    cfg = load_config([a for a in args if a not in ("--eval-only", "--resume", str(trained / "checkpoints" / "best.pt"))])
-    _, val_set, _ = data.build_datasets(cfg.data)
+    root, labels = meadows
+    _, val_set, _ = data.build_datasets(load_config(run_args(root, trained, f"data.labels={labels}")).data)
     model, *_ = load_trained(trained)
     norm = normalization_of(val_set, torch.device("cpu"))
-    with torch.no_grad():  # one image at a time, as the evaluation ran
+    with torch.no_grad():
         probs = torch.cat([model(model_input(val_set[i][0][None], torch.device("cpu"), norm))
                            for i in range(len(val_set))]).double().sigmoid()
-    truth = torch.stack([val_set[i][1] for i in range(len(val_set))]).bool()
+    return probs, torch.stack([val_set[i][1] for i in range(len(val_set))]).bool()
+
+
+def test_the_one_process_metrics_equal_the_reference_on_the_same_scores(one_process_eval, val_scores):
+    got, _ = one_process_eval
+    probs, truth = val_scores
     ref = reference_metrics(probs.numpy(), truth.numpy(), np.array(got["val_threshold"]))
     assert_report_matches(got, ref, tol=1e-6)
     for c in range(5):  # the tuned thresholds: each label's best F1 over every cut of its scores
