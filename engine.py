@@ -470,7 +470,7 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     settings = settings or EvalSettings()
     criterion, amp_dtype, channels_last = settings.criterion, settings.amp_dtype, settings.channels_last
     logger = logger or RunLogger(".", enabled=False)
-    multilabel = getattr(getattr(loader, "dataset", None), "multilabel", False)
+    multilabel = is_multilabel(loader)
     metrics = {} if multilabel else sample_metrics(num_classes)
     scores = _AllScores(loader, device, num_classes) if multilabel else None
     zero = torch.zeros((), device=device, dtype=torch.float64)
@@ -605,7 +605,7 @@ class _AllScores:
 
     def report(self, criterion, threshold, tune, worst_k, dataset):
         index, logits, targets = self.gathered()
-        losses = criterion.per_image(logits, targets).double()
+        losses = dataclasses.replace(criterion, multilabel=True).per_image(logits, targets).double()
         probs = logits.double().sigmoid()
         thresholds = torch.as_tensor(threshold, dtype=torch.float64).expand(self.num_classes).clone()
         if tune:
