@@ -77,7 +77,7 @@ class ImageFiles(Dataset):
             return self.transform(Image.new("RGB", (self.size, self.size))), i, str(e)
 
 
-def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0, thresholds=None):
+def predict(model, paths, transform, size, device, topk, batch_size, workers, thresholds=None, max_pixels=0):
     """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable).
     thresholds (multi-label, one per label): each row is (path, [(label index, prob) of the labels at or
     above their threshold, most probable first], every label's prob)."""
@@ -163,7 +163,7 @@ def main(argv=None):
     start = time.perf_counter()
     thresholds = model.thresholds if getattr(model, "multilabel", False) else None  # the checkpoint's own
     rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
-                        int(data_cfg["max_image_pixels"]), thresholds)
+                        thresholds, int(data_cfg["max_image_pixels"]))
     seconds = time.perf_counter() - start
     if not rows:
         raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", RUNTIME_EXIT)
