@@ -45,18 +45,16 @@ from torchvision import transforms
 
 from model import use_channels_last
 from utils.config import config_to_dict, load_config
-from utils.decoding import BadImage, DraftRandomResizedCrop, DraftResize, load_image, load_rgb
+from utils.decoding import MODES, BadImage, DraftRandomResizedCrop, DraftResize, load_image, load_rgb
 from utils.distributed_utils import broadcast_object, gather_objects, get_rank, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
 from utils.label_file import read_label_file
 from utils.loader import PREFETCH_FACTOR, PersistentLoader, collate, reseed_worker
-from utils.normalization import normalize
+from utils.normalization import IMAGENET_MEAN, IMAGENET_STD, imagenet_stats, normalize  # noqa: F401 (data.IMAGENET_*)
 from utils.sample_list import BadStatus, SampleList, verify_images
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 # --------------------------------------------------------------------------- the split
@@ -252,24 +250,26 @@ def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
 
 # --------------------------------------------------------------------------- transforms
 
-def build_transforms(img_size, val_resize, min_crop_scale=0.08):
-    """(train, val) transforms: an image from utils.decoding.load_image -> uint8 (3, H, W). The loop makes each
+def build_transforms(img_size, val_resize, min_crop_scale=0.08, channels=3):
+    """(train, val) transforms: an image from utils.decoding.load_image -> uint8 (C, H, W), C = data.channels
+    (3, or 1 for grey: each step below takes either; the mean and std follow). The loop makes each
     batch float, normalised with NormalizeOnDevice's mean and std, on the device: the workers pass a
     quarter of the bytes. Add your augmentation to `train` after the crop, which gives a uint8 tensor
     (torchvision's transforms take one). One that needs floats: put transforms.ConvertImageDtype(
     torch.float) before it; NormalizeOnDevice then normalises in the workers, as Normalize does.
     data.pipeline=gpu reproduces only the crop, flip and normalisation and refuses anything else."""
+    mean, std = imagenet_stats(channels)
     train = transforms.Compose([
         # torchvision's RandomResizedCrop, but a big JPEG is decoded only as large as the crop needs.
         DraftRandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)),
         transforms.RandomHorizontalFlip(),
-        NormalizeOnDevice(IMAGENET_MEAN, IMAGENET_STD),
+        NormalizeOnDevice(mean, std),
     ])
     val = transforms.Compose([
         DraftResize(val_resize),  # torchvision's Resize, decoding a big JPEG small as well
         transforms.CenterCrop(img_size),
         transforms.PILToTensor(),
-        NormalizeOnDevice(IMAGENET_MEAN, IMAGENET_STD),
+        NormalizeOnDevice(mean, std),
     ])
     return train, val
 
@@ -289,8 +289,9 @@ class NormalizeOnDevice(transforms.Normalize):
 
 def trained_data_config(config):
     """The data section a checkpoint's model was trained with (`config`: the checkpoint's config dict),
-    each key it lacks (an older or hand-made checkpoint) taken from configs/default.yaml."""
-    return {**config_to_dict(load_config([]))["data"], **(config.get("data") or {})}
+    each key it lacks (an older or hand-made checkpoint) taken from configs/default.yaml; without
+    data.channels it was trained on RGB, as model.load_trained builds it."""
+    return {**config_to_dict(load_config([]))["data"], "channels": 3, **(config.get("data") or {})}
 
 
 # --------------------------------------------------------------------------- datasets
@@ -321,8 +322,10 @@ def build_datasets(data_cfg, eval_only=False):
             bad_paths = {path for path, _ in bad}
             train, val = (s.take([i for i, (p, _) in enumerate(s) if p not in bad_paths]) for s in (train, val))
         known_bad = len(bad)
-    train_tf, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale)
-    opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels, num_classes=len(split.classes))
+    train_tf, val_tf = build_transforms(data_cfg.img_size, data_cfg.val_resize, data_cfg.min_crop_scale,
+                                        data_cfg.channels)
+    opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels, num_classes=len(split.classes),
+                channels=data_cfg.channels)
     held_out = ImageList(val, val_tf, **opts)
     held_out.split = "test" if eval_only and len(split.test) else "val"
     # data.pipeline's choice is the training transform's; the held-out loader takes the same path.
@@ -332,8 +335,8 @@ def build_datasets(data_cfg, eval_only=False):
 
 
 class ImageList(Dataset):
-    """(path, label) pairs -> (tensor, label); any image mode becomes RGB. The pairs are kept as
-    a SampleList (`samples`), which forked workers read without copying it.
+    """(path, label) pairs -> (tensor, label); any image mode becomes RGB, or grey with channels=1. The
+    pairs are kept as a SampleList (`samples`), which forked workers read without copying it.
 
     Multi-label samples (path, tuple of class indices) give (tensor, target), target a float32
     multi-hot (num_classes,): 1.0 for each of the image's labels. `multilabel` and `num_classes`
@@ -348,12 +351,14 @@ class ImageList(Dataset):
     The training loop calls `sync_bad_images` of any dataset that has one.
     """
 
-    def __init__(self, samples, transform=None, bad_image="warn", max_pixels=0, known_bad=0, num_classes=None):
+    def __init__(self, samples, transform=None, bad_image="warn", max_pixels=0, known_bad=0, num_classes=None,
+                 channels=3):
         self.samples = samples if isinstance(samples, SampleList) else SampleList(samples)
         self.multilabel = self.samples.multilabel
         values = self.samples.label_values if self.multilabel else self.samples.labels
         self.num_classes = num_classes if num_classes is not None else int(values.max(initial=-1)) + 1
         self.transform = transform
+        self.channels = channels  # 3: decoded to RGB; 1: to grey (data.channels)
         self.bad_image = bad_image
         self.max_pixels = max_pixels
         self.known_bad = known_bad  # removed before training by data.verify; counted in bad_images
@@ -385,7 +390,7 @@ class ImageList(Dataset):
                 continue
             path, label = self.samples[i]
             try:
-                img = load_image(path, self.transform, self.max_pixels)
+                img = load_image(path, self.transform, self.max_pixels, MODES[self.channels])
             except BadImage as e:
                 if self.bad_image == "error":
                     raise BadImageError(f"{e}; fix or remove it, or set data.bad_image=warn to skip "

@@ -5,8 +5,9 @@
     python -c "import onnxruntime"                             # the ONNX check runs the file in onnxruntime
 
 The batch dimension is dynamic. The sidecar (<out>.json) holds what a deployment
-needs around the network: class names, input size, resize, mean and std, and how to read the
-outputs ("activation": softmax, or sigmoid with each label's threshold for a multi-label model). Before
+needs around the network: class names, input size (channels first: 1 for a grey
+run, data.channels=1), resize, mean and std, and how to read the outputs ("activation": softmax, or
+sigmoid with each label's threshold for a multi-label model). Before
 the file is put in place its outputs are compared with PyTorch's on a batch of
 another size than the one exported with; the max abs diff is printed, and over
 1e-4 nothing is written.
@@ -32,7 +33,9 @@ TOLERANCE = 1e-4
 def export_torchscript(model, example, path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit's deprecation notices on newer torch
-        torch.jit.trace(model, example).save(str(path))
+        # check_trace=False: its re-trace on the same input costs more than the trace; the file itself
+        # is checked against PyTorch below, on a batch of another size.
+        torch.jit.trace(model, example, check_trace=False).save(str(path))
         loaded = torch.jit.load(str(path))
     return lambda x: loaded(x)
 
@@ -69,12 +72,13 @@ def main(argv=None):
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
     data_cfg = trained_data_config(config)
-    size, resize = int(data_cfg["img_size"]), int(data_cfg["val_resize"])
-    mean, std = mean_std(build_transforms(size, resize)[1])  # what predict.py and evaluation normalise with
+    size, resize, channels = int(data_cfg["img_size"]), int(data_cfg["val_resize"]), int(data_cfg["channels"])
+    # What predict.py and evaluation normalise with.
+    mean, std = mean_std(build_transforms(size, resize, channels=channels)[1])
 
     gen = torch.Generator().manual_seed(0)
-    example = torch.randn(2, 3, size, size, generator=gen)
-    check = torch.randn(3, 3, size, size, generator=gen)  # another batch size: the dynamic axis works
+    example = torch.randn(2, channels, size, size, generator=gen)
+    check = torch.randn(3, channels, size, size, generator=gen)  # another batch size: the dynamic axis works
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         run = (export_torchscript if args.format == "torchscript" else export_onnx)(model, example, tmp)
@@ -95,9 +99,10 @@ def main(argv=None):
             "thresholds": model.thresholds}
            if getattr(model, "multilabel", False) else
            {"output": "logits (softmax gives probabilities)", "activation": "softmax", "multilabel": False}),
-        "input_size": [3, size, size], "resize": resize,
+        "input_size": [channels, size, size], "resize": resize,
         "mean": list(mean), "std": list(std),
-        "preprocess": f"RGB, resize shorter side to `resize`, center-crop `input_size`, {FORMULA}",
+        "preprocess": f"{'grey (L)' if channels == 1 else 'RGB'}, resize shorter side to `resize`, "
+                      f"center-crop `input_size`, {FORMULA}",
     }, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{args.format}: {out} (+ {sidecar.name}); max abs diff vs PyTorch on a batch of 3: {diff:.2e}")
     return diff

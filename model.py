@@ -8,8 +8,11 @@ The scripts call `build_model`. The classifier head is found generically
 (`find_head`): it is what gets sized to the dataset's classes, replaced after
 pretrained weights, and the only part left trainable by freeze_layers. Nothing
 is ever downloaded: weights come from local files (--weights) or the hub cache.
+Grey images (data.channels=1): the first convolution, found generically too
+(`find_first_conv`), reads one channel, its RGB kernels summed (`adapt_first_conv`).
 """
 import difflib
+import inspect
 import os
 import re
 from pathlib import Path
@@ -30,6 +33,8 @@ from utils.fsdp import checkpoint_blocks
 #     MODELS["tiny_cnn"] = lambda num_classes: nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(),
 #         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
 # then train with model.name=tiny_cnn. Checkpoints record the name, as for torchvision models.
+# A constructor that takes `in_chans` is called with in_chans=data.channels (3, or 1 for grey) and builds
+# for it; one that does not gets its first Conv2d adapted to grey as a torchvision model does.
 MODELS = {}
 
 # Builder keywords that only some torchvision families take, and the value wanted where they do.
@@ -72,6 +77,14 @@ def hub_file(weights):
 def check_model_config(cfg):
     """Run by utils/config.py at config time, before any data is read."""
     check_model(cfg.model.name, cfg.model.pretrained, cfg.data.img_size)
+    if cfg.data.channels != 3:
+        try:  # the structure alone, on the meta device: no memory, no initialisation, no weights read
+            with torch.device("meta"):
+                create_model(cfg.model.name, num_classes=2, img_size=cfg.data.img_size, channels=cfg.data.channels)
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001 - a model that cannot be built on meta is checked when it is built
+            pass
 
 
 def check_model(name, pretrained=None, size=None):
@@ -138,13 +151,75 @@ def _replace_head(model, old_classes, num_classes):
     return name, old
 
 
-def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None, log=None):
+def find_first_conv(model):
+    """(qualified name, module) of the convolution that reads the image: the first nn.Conv2d the model
+    registers, which in torchvision is the first one applied (ResNet's conv1, VGG's and AlexNet's
+    features.0, MobileNet's, EfficientNet's, ConvNeXt's and Swin's features.0.0, ViT's conv_proj,
+    RegNet's stem.0, DenseNet's features.conv0). None without one."""
+    return next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+
+
+def sum_rgb_kernels(weight):
+    """A (O, 3, kH, kW) kernel -> (O, 1, kH, kW): its three input channels summed (timm's adapt_input_conv).
+    A convolution is linear in its input, so on a grey image g the summed kernel gives exactly what the
+    RGB one gives on (g, g, g): the pretrained features stay what they were on a grey photo."""
+    return weight.float().sum(dim=1, keepdim=True).to(weight.dtype)
+
+
+def adapt_first_conv(model, name, channels=1):
+    """The model reads `channels` (1) input channels: its first convolution (find_first_conv), if it reads
+    3, takes 1, its kernels summed (sum_rgb_kernels), pretrained or not: the grey model is then the RGB
+    one on the grey image repeated in R, G and B. -> the convolution's name; one error line without one."""
+    found = find_first_conv(model)
+    if found is not None and found[1].in_channels == channels:
+        return found[0]  # built for it (a MODELS constructor's in_chans)
+    if found is None or found[1].in_channels != 3 or found[1].groups != 1:
+        what = "has no nn.Conv2d" if found is None else (
+            f"reads the image first with '{found[0]}', a Conv2d of {found[1].in_channels} input channels"
+            + (f" in {found[1].groups} groups" if found[1].groups != 1 else ""))
+        fix = ("give its MODELS constructor an in_chans argument and build it for in_chans channels"
+               if name in MODELS else "adapt it in model.py's adapt_first_conv")
+        raise UserError(f"data.channels={channels}: model.name={name} {what}, not one of 3 to sum into "
+                        f"{channels}; {fix}, or set data.channels=3", every_rank=True)
+    conv_name, conv = found
+    conv.weight = nn.Parameter(sum_rgb_kernels(conv.weight.detach()), requires_grad=conv.weight.requires_grad)
+    conv.in_channels = channels
+    if getattr(model, "transform_input", False):
+        # GoogLeNet and Inception v3 with pretrained weights re-normalise R, G and B each for their
+        # original training; a grey input has one channel to re-normalise, left as it is.
+        model.transform_input = False
+    return conv_name
+
+
+def _takes(constructor, keyword):
+    try:
+        params = inspect.signature(constructor).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C-implemented callable: no signature to read
+        return False
+    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None, log=None, channels=3):
     """A model with `num_classes` outputs: your own from MODELS, or torchvision's `name`, randomly
     initialised or with the pretrained weights `pretrained` from the local hub cache (head replaced).
-    `img_size` sets the input size of models that fix it (ViT, MaxViT)."""
+    `img_size` sets the input size of models that fix it (ViT, MaxViT). channels=1 (data.channels):
+    the model reads grey images (adapt_first_conv)."""
     check_model(name, pretrained, img_size)  # also here for callers that skip the config (tests, tools)
+    model = _create(name, num_classes, img_size, pretrained, log, channels)
+    if channels != 3:
+        conv = adapt_first_conv(model, name, channels)
+        if log:
+            log(f"data.channels={channels}: the first convolution '{conv}' of {name} reads {channels} channel"
+                + (" (its pretrained RGB kernels summed)" if pretrained else ""))
+    return model
+
+
+def _create(name, num_classes, img_size, pretrained, log, channels):
     if name in MODELS:
-        return MODELS[name](num_classes=num_classes)
+        constructor = MODELS[name]
+        if _takes(constructor, "in_chans"):
+            return constructor(num_classes=num_classes, in_chans=channels)
+        return constructor(num_classes=num_classes)
     builder = torchvision.models.get_model_builder(name)
     kwargs = {}
     if img_size and _size_kwarg(name):
@@ -171,6 +246,7 @@ def load_weights(model, path, map_location="cpu"):
 
     Accepts a plain state_dict or one of our checkpoints ({"model": ...}).
     `weights_only=True` means a file carrying pickled code is refused, not run.
+    A grey model (data.channels=1) takes an RGB file's first-convolution kernels summed (sum_rgb_kernels).
     """
     path = Path(path)
     if not path.is_file():
@@ -184,6 +260,11 @@ def load_weights(model, path, map_location="cpu"):
         raise UserError(f"weights file '{path}' holds no state_dict")
     state = strip_wrapper_prefixes(state)
     own = model.state_dict()
+    first = find_first_conv(model)
+    key, summed = first and f"{first[0]}.weight", None
+    if key in state and key in own and own[key].dim() == 4 and own[key].shape[1] == 1 and (
+            tuple(state[key].shape) == (own[key].shape[0], 3, *own[key].shape[2:])):
+        state, summed = {**state, key: sum_rgb_kernels(state[key])}, key
     fits = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
     wrong_shape = sorted(k for k in state if k in own and k not in fits)
     unexpected = sorted(k for k in state if k not in own)
@@ -193,7 +274,8 @@ def load_weights(model, path, map_location="cpu"):
                         f"({len(unexpected)} unknown names, {len(wrong_shape)} of another shape); "
                         "is it for another architecture?")
     model.load_state_dict(fits, strict=False)
-    report = [f"loaded {len(fits)}/{len(own)} tensors from {path}"]
+    report = [f"loaded {len(fits)}/{len(own)} tensors from {path}"
+              + (f" ({summed}: its 3 input channels summed into 1, data.channels=1)" if summed else "")]
     if wrong_shape:
         report.append("skipped (shape differs): " + ", ".join(
             f"{k} {tuple(state[k].shape)}->{tuple(own[k].shape)}" for k in wrong_shape[:6]))
@@ -263,14 +345,14 @@ def sync_bn_wanted(model, sync_bn, verbose=True):
     return sync_bn
 
 
-def _probe(model, name, img_size, device):
+def _probe(model, name, img_size, device, channels=3):
     """One eval-mode forward at the training size: a model that cannot take it stops here in one
     line, not mid-epoch with a traceback. Zeros, no grad: no random draw, no statistic changes.
     On `device`, where the model already is: on the CPU a ViT-L-sized forward takes seconds per process."""
     training = model.training
     try:
         with torch.no_grad():
-            model.eval()(torch.zeros(1, 3, img_size, img_size, device=device))
+            model.eval()(torch.zeros(1, channels, img_size, img_size, device=device))
     except (RuntimeError, ValueError, AssertionError, IndexError) as e:
         raise UserError(f"model.name={name} does not run at data.img_size={img_size}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", every_rank=True)
@@ -284,11 +366,12 @@ def use_channels_last(requested, device):
     return bool(requested) and device.type == "cuda"
 
 
-def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
+def build_model(model_cfg, num_classes, device, verbose=True, img_size=None, channels=3):
     """The config's model section -> a model on `device`, before any parallel wrapper.
-    `img_size` (data.img_size): the input size of ViT-like models, and of the probe forward."""
+    `img_size` (data.img_size): the input size of ViT-like models, and of the probe forward.
+    `channels` (data.channels): 3, or 1 for grey images (adapt_first_conv)."""
     model = create_model(model_cfg.name, num_classes=num_classes, img_size=img_size,
-                         pretrained=model_cfg.pretrained, log=print if verbose else None)
+                         pretrained=model_cfg.pretrained, log=print if verbose else None, channels=channels)
     if model_cfg.weights:
         report = load_weights(model, model_cfg.weights)
         if verbose:
@@ -317,7 +400,7 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None):
     if use_channels_last(model_cfg.channels_last, device):
         model.to(memory_format=torch.channels_last)
     if img_size:
-        _probe(model, model_cfg.name, img_size, device)
+        _probe(model, model_cfg.name, img_size, device, channels)
     return model
 
 
@@ -337,7 +420,8 @@ def checkpoint_path(source):
 def load_trained(source):
     """A run directory or checkpoint of train*.py -> (eval-mode CPU model, class names, its config dict).
 
-    Everything comes from the checkpoint itself: architecture, classes, image sizes.
+    Everything comes from the checkpoint itself: architecture, classes, image sizes, channels (data.channels;
+    a checkpoint without it was trained on RGB).
     The EMA weights ("ema") are used when they made the checkpoint's best accuracy ("best_weights").
     A multi-label checkpoint's model has .multilabel True and .thresholds (one per label).
     """
@@ -347,7 +431,9 @@ def load_trained(source):
     name = (config.get("model") or {}).get("name")
     if not name or not classes:
         raise UserError(f"checkpoint '{path}' holds no model name or class list; was it written by train*.py?")
-    model = create_model(name, num_classes=len(classes), img_size=(config.get("data") or {}).get("img_size"))
+    data = config.get("data") or {}
+    model = create_model(name, num_classes=len(classes), img_size=data.get("img_size"),
+                         channels=int(data.get("channels", 3)))
     weights = best_weights(state)
     try:
         model.load_state_dict(strip_wrapper_prefixes(weights))

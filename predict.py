@@ -6,7 +6,8 @@ at or above their thresholds, and each label's probability).
     python predict.py runs/demo folder/ --out preds.json --batch-size 128 --device cuda
 
 PATH is an image, a folder (searched recursively) or a glob. The model, the
-validation transform and the class names come from the checkpoint itself; EMA
+validation transform, the class names and the channels (a grey run's images are
+read as grey) come from the checkpoint itself; EMA
 weights are used when it holds them. A table shows the first images; all go to
 --out (.csv or .json; default: predictions.csv in the run directory). A multi-label
 checkpoint gives each image the labels whose sigmoid probability reaches the label's
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from data import build_transforms, is_image_file, trained_data_config
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
-from utils.decoding import BadImage, load_image
+from utils.decoding import MODES, BadImage, load_image
 from utils.distributed_utils import resolve_device
 from utils.errors import RUNTIME_EXIT, UserError
 from utils.normalization import model_input, normalization_of
@@ -64,24 +65,25 @@ def find_images(specs):
 class ImageFiles(Dataset):
     """path -> (tensor, index, error text); an unreadable file gives a blank image and its error."""
 
-    def __init__(self, paths, transform, size, max_pixels=0):
-        self.paths, self.transform, self.size, self.max_pixels = paths, transform, size, max_pixels
+    def __init__(self, paths, transform, size, max_pixels=0, mode="RGB"):
+        self.paths, self.transform, self.size, self.max_pixels, self.mode = paths, transform, size, max_pixels, mode
 
     def __len__(self):
         return len(self.paths)
 
     def __getitem__(self, i):
         try:
-            return load_image(self.paths[i], self.transform, self.max_pixels), i, ""
+            return load_image(self.paths[i], self.transform, self.max_pixels, self.mode), i, ""
         except BadImage as e:  # a black image through the same transform: its batch's dtype and size
-            return self.transform(Image.new("RGB", (self.size, self.size))), i, str(e)
+            return self.transform(Image.new(self.mode, (self.size, self.size))), i, str(e)
 
 
-def predict(model, paths, transform, size, device, topk, batch_size, workers, thresholds=None, max_pixels=0):
-    """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable).
+def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0, mode="RGB",
+            thresholds=None):
+    """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable). mode: RGB or L (grey).
     thresholds (multi-label, one per label): each row is (path, [(label index, prob) of the labels at or
     above their threshold, most probable first], every label's prob)."""
-    files = ImageFiles(paths, transform, size, max_pixels)
+    files = ImageFiles(paths, transform, size, max_pixels, mode)
     loader = DataLoader(files, batch_size=batch_size, num_workers=workers, pin_memory=device.type == "cuda")
     norm = normalization_of(files, device)  # uint8 batches are normalised on the device, as in training
     rows, bad = [], []
@@ -154,8 +156,8 @@ def main(argv=None):
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
     data_cfg = trained_data_config(config)
-    size, resize = int(data_cfg["img_size"]), int(data_cfg["val_resize"])
-    transform = build_transforms(size, resize)[1]
+    size, resize, channels = int(data_cfg["img_size"]), int(data_cfg["val_resize"]), int(data_cfg["channels"])
+    transform = build_transforms(size, resize, channels=channels)[1]
     topk = min(args.topk, len(classes))
     workers = min(4, os.cpu_count() or 1) if args.workers < 0 else args.workers
     workers = min(workers, max(0, (len(paths) - 1) // args.batch_size))  # one batch: no worker start-up
@@ -163,7 +165,7 @@ def main(argv=None):
     start = time.perf_counter()
     thresholds = model.thresholds if getattr(model, "multilabel", False) else None  # the checkpoint's own
     rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
-                        thresholds, int(data_cfg["max_image_pixels"]))
+                        int(data_cfg["max_image_pixels"]), mode=MODES[channels], thresholds=thresholds)
     seconds = time.perf_counter() - start
     if not rows:
         raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", RUNTIME_EXIT)

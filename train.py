@@ -44,7 +44,7 @@ def main(argv=None):
                                channels_last=cfg.model.channels_last)
 
     # -- model: no wrapper --
-    model = build_model(cfg.model, len(classes), device, img_size=cfg.data.img_size)
+    model = build_model(cfg.model, len(classes), device, img_size=cfg.data.img_size, channels=cfg.data.channels)
 
     return fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name="train")
 

@@ -46,7 +46,8 @@ def main(argv=None):
                                channels_last=cfg.model.channels_last)
 
     # -- model: SyncBN (CUDA only), then one DDP replica per process --
-    model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size)
+    model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size,
+                        channels=cfg.data.channels)
     sync_bn = sync_bn_wanted(model, cfg.model.sync_bn, verbose=rank == 0)  # not where no BatchNorm trains
     model = convert_sync_bn(model, sync_bn, device, verbose=rank == 0)
     # cfg.ddp less the process group's keys: buckets, broadcast_buffers, find_unused_parameters... (configs/default.yaml).

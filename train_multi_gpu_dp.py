@@ -73,7 +73,7 @@ def main(argv=None):
                                channels_last=cfg.model.channels_last)
 
     # -- model: replicated onto every GPU at each forward; on the CPU no wrapper (it would grab the GPUs) --
-    model = build_model(cfg.model, len(classes), device, img_size=cfg.data.img_size)
+    model = build_model(cfg.model, len(classes), device, img_size=cfg.data.img_size, channels=cfg.data.channels)
     if gpu_ids:
         # Each replica runs in a thread of its own, which does not inherit autocast's dtype.
         model = nn.DataParallel(AutocastForward(model, resolve_amp(cfg.train.amp, device)), device_ids=gpu_ids)

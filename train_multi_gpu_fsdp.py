@@ -49,7 +49,8 @@ def main(argv=None):
                                channels_last=cfg.model.channels_last)
 
     # -- model: SyncBN (CUDA only), then each block sharded over the mesh, then the root --
-    model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size)
+    model = build_model(cfg.model, len(classes), device, verbose=rank == 0, img_size=cfg.data.img_size,
+                        channels=cfg.data.channels)
     sync_bn = sync_bn_wanted(model, cfg.model.sync_bn, verbose=rank == 0)  # not where no BatchNorm trains
     model = convert_sync_bn(model, sync_bn, device, verbose=rank == 0)
     # train.amp -> a MixedPrecisionPolicy (bf16 compute, fp32 reduction and BatchNorm); model.blocks names the units.

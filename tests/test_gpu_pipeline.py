@@ -32,9 +32,9 @@ from utils.gpu_pipeline import (GpuLoader, check_cache_fits, crop_theta, pinned_
 from utils.samplers import ShardSampler, epoch_sampler
 
 
-def plain_transforms(img_size, val_resize, min_crop_scale=0.08):
+def plain_transforms(img_size, val_resize, min_crop_scale=0.08, channels=3):
     """(train, val) as data.build_transforms ships them: exactly the steps the device path reproduces."""
-    norm = data.NormalizeOnDevice(data.IMAGENET_MEAN, data.IMAGENET_STD)
+    norm = data.NormalizeOnDevice(*data.imagenet_stats(channels))
     train = T.Compose([DraftRandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
                        norm])
     return train, T.Compose([DraftResize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
@@ -524,8 +524,8 @@ def _watch_decodes(monkeypatch):
     import weakref
     real, decoded, alive = gpu_pipeline._decode_jpegs, [], []
 
-    def decode(parts, device):
-        images = real(parts, device)
+    def decode(parts, *device_and_mode):
+        images = real(parts, *device_and_mode)
         decoded.extend(weakref.ref(img) for img in images)
         return images
 

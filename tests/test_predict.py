@@ -118,9 +118,9 @@ def test_sizes_a_checkpoint_lacks_come_from_default_yaml(trained_run, tmp_path, 
     state = torch.load(trained_run["run_dir"] / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
     path = checkpoint_with_sizes(tmp_path, monkeypatch, state, None, 40, 52)
     asked = []
-    monkeypatch.setattr(predict, "build_transforms", lambda *a: asked.append(a) or build_transforms(*a))
+    monkeypatch.setattr(predict, "build_transforms", lambda *a, **k: asked.append(a) or build_transforms(*a, **k))
     real_predict = predict.predict
-    monkeypatch.setattr(predict, "predict", lambda *a: asked.append((a[3], a[-1])) or real_predict(*a))
+    monkeypatch.setattr(predict, "predict", lambda *a, **k: asked.append((a[3], a[-1])) or real_predict(*a, **k))
     rows = predict.main([str(path), str(trained_run["data"] / "daisy"), "--out", str(tmp_path / "p.csv"),
                          "--device", "cpu"])
     limit = yaml.safe_load((tmp_path / "default.yaml").read_text())["data"]["max_image_pixels"]

@@ -1,9 +1,13 @@
-"""Image files -> 8-bit RGB, a JPEG decoded only as large as the transform needs (draft decoding).
+"""Image files -> 8-bit RGB (or grey), a JPEG decoded only as large as the transform needs (draft decoding).
 
 A 4000x3000 photo cropped to 224 px needs a fraction of its pixels: PIL's draft mode decodes a JPEG
 at 1/2, 1/4 or 1/8 of each side (DCT scaling), several times faster. load_image hands a JPEG to
 DraftRandomResizedCrop or DraftResize undecoded, and they decode it at the smallest scale that still
 leaves their output's pixels. Any other file, or another first transform, is decoded whole.
+
+Grey (mode "L", data.channels=1): a colour JPEG is decoded straight to its luma plane (libjpeg's grey
+output, no chroma decoded), the pixels torchvision's decode_jpeg and nvJPEG give in their GRAY mode;
+any other file is converted by PIL's luma formula, which is how that plane was made when it was encoded.
 """
 import contextlib
 import os
@@ -23,8 +27,11 @@ class BadImage(Exception):
     """A file that cannot be decoded into an image; the message names it and says why."""
 
 
-def to_rgb(img):
-    """Any PIL mode -> 8-bit RGB (CMYK, RGBA, L, P, 16-bit grey, ...)."""
+MODES = {3: "RGB", 1: "L"}  # data.channels -> the PIL mode images are decoded to
+
+
+def to_8bit(img, mode="RGB"):
+    """Any PIL mode (CMYK, RGBA, L, P, 16-bit grey, ...) -> 8-bit `mode`: RGB, or L (grey)."""
     if img.mode.startswith("I"):
         # 16-bit grey: convert("RGB") would clip every value over 255 to white; scale instead.
         arr = np.asarray(img).astype(np.int64).clip(0, 65535)
@@ -33,7 +40,7 @@ def to_rgb(img):
         img = Image.fromarray(arr.astype(np.uint8), "L")
     elif img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")  # PIL warns on P + transparency -> RGB; this way is silent
-    return img.convert("RGB")
+    return img.convert(mode)
 
 
 def _decode_error(path, e):
@@ -41,9 +48,10 @@ def _decode_error(path, e):
     return BadImage(f"cannot decode '{path}': {why}")
 
 
-def load_rgb(path, max_pixels=0, undecoded=False):
-    """Decode `path` to RGB; raise BadImage naming the file if it cannot be decoded.
-    undecoded: a JPEG comes back with only its header read, for `decode` to decode at the size needed."""
+def load_rgb(path, max_pixels=0, undecoded=False, mode="RGB"):
+    """Decode `path` to RGB (mode="L": grey); raise BadImage naming the file if it cannot be decoded.
+    undecoded: a JPEG comes back with only its header read (and the mode wanted, as `wanted_mode`), for
+    `decode` to decode at the size needed."""
     try:
         if os.path.getsize(path) == 0:
             raise BadImage(f"'{path}' is empty (0 bytes)")
@@ -54,9 +62,12 @@ def load_rgb(path, max_pixels=0, undecoded=False):
             raise BadImage(f"'{path}' is {w}x{h} = {w * h} pixels, over data.max_image_pixels="
                            f"{max_pixels} (a decompression-bomb guard); raise it if you trust the file")
         if undecoded and img.format == "JPEG":
+            img.wanted_mode = mode
             return img
         with img:
-            return to_rgb(img)
+            if mode == "L" and img.format == "JPEG":
+                img.draft("L", None)  # a colour JPEG decodes to its luma plane (module docstring)
+            return to_8bit(img, mode)
     except BadImage:
         raise
     except Exception as e:  # noqa: BLE001 - whatever PIL raises on a broken file is the file's fault
@@ -64,26 +75,32 @@ def load_rgb(path, max_pixels=0, undecoded=False):
 
 
 def decode(img, scale=1):
-    """An image from load_rgb -> (8-bit RGB, how many times smaller it was decoded). A JPEG not decoded
-    yet is decoded at 1/scale of each side (rounded up); any other image is as it is."""
-    w = img.width
+    """An image from load_rgb -> (8-bit RGB or grey, as load_rgb was asked, and how many times smaller
+    it was decoded). A JPEG not decoded yet is decoded at 1/scale of each side (rounded up); any other
+    image is as it is."""
+    w, mode = img.width, getattr(img, "wanted_mode", None)
+    if mode is None:  # decoded already: load_rgb gave it the mode wanted
+        mode = img.mode if img.mode in MODES.values() else "RGB"
     try:
-        drafted = img.draft(img.mode, (w // scale, img.height // scale)) if scale > 1 else None
-        if img.mode == "RGB":
-            img.load()  # in place: an RGB JPEG, the usual case, is not copied
+        # draft() also turns a colour JPEG's decoder to its luma plane when grey is wanted.
+        drafted = (img.draft(mode if img.mode == "RGB" else img.mode, (w // scale, img.height // scale))
+                   if scale > 1 or mode == "L" else None)
+        if img.mode == mode:
+            img.load()  # in place: a JPEG already in the mode wanted, the usual case, is not copied
         else:
-            img = to_rgb(img)
+            img = to_8bit(img, mode)
     except Exception as e:  # noqa: BLE001 - as in load_rgb
         raise _decode_error(getattr(img, "filename", "the image"), e) from None
     # draft() answers (mode, the original's extent in the new pixels); None where it did nothing.
     return img, (round(w / drafted[1][2]) if drafted else 1)
 
 
-def load_image(path, transform=None, max_pixels=0):
-    """`path` through `transform`; BadImage if it cannot be decoded. When the transform begins with a
-    DraftRandomResizedCrop or DraftResize, a JPEG reaches it undecoded, to be decoded only as large as needed."""
+def load_image(path, transform=None, max_pixels=0, mode="RGB"):
+    """`path` decoded to `mode` (RGB or L), through `transform`; BadImage if it cannot be decoded. When the
+    transform begins with a DraftRandomResizedCrop or DraftResize, a JPEG reaches it undecoded, to be
+    decoded only as large as needed."""
     first = getattr(transform, "transforms", [transform])[0] if transform is not None else None
-    img = load_rgb(path, max_pixels, undecoded=isinstance(first, (DraftRandomResizedCrop, DraftResize)))
+    img = load_rgb(path, max_pixels, undecoded=isinstance(first, (DraftRandomResizedCrop, DraftResize)), mode=mode)
     return img if transform is None else transform(img)
 
 

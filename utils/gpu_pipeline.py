@@ -188,8 +188,8 @@ def crop_theta(boxes, flip, heights, widths):
 
 
 def _chw_uint8(img):
-    """RGB PIL image -> uint8 CHW tensor, with memory of its own (not PIL's buffer)."""
-    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+    """RGB or grey PIL image -> uint8 CHW tensor (C = 3 or 1), with memory of its own (not PIL's buffer)."""
+    return torch.from_numpy(np.asarray(img).copy()).view(img.height, img.width, -1).permute(2, 0, 1)
 
 
 class _TrainCacheItem:
@@ -228,8 +228,8 @@ CHUNK, CHUNK_PREFETCH = 32, 2
 
 
 def build_cache(dataset, item_fn, workers, images, chunk=CHUNK):
-    """Decode every image of `dataset` once (in `workers` processes) into `images`, a uint8 N x 3 x S x S
-    tensor wherever the cache lives -> (sizes N x 2, labels N).
+    """Decode every image of `dataset` once (in `workers` processes) into `images`, a uint8 N x C x S x S
+    tensor wherever the cache lives (C: 3, or 1 for grey) -> (sizes N x 2, labels N).
 
     Each decoded chunk is copied straight into `images`, so a cache on the device never passes through
     a host copy of itself: the host holds only the chunks in flight (chunks_in_flight). The dataset is
@@ -287,16 +287,17 @@ class GpuLoader:
         self.device, self.train, self.channels_last = device, train, channels_last
         steps = _steps(dataset.transform)
         norm = steps[-1]
+        channels = getattr(dataset, "channels", 3)  # grey (data.channels=1): a third of the cache
         if train:
             crop, flip, _ = _train_steps(steps)
             self.out_size, self.scale, self.ratio = tuple(crop.size), tuple(crop.scale), tuple(crop.ratio)
             self.flip_p = flip.p if flip is not None else 0.0
             size = resolve_cache_size(data_cfg)
-            item, shape = _TrainCacheItem(size), (3, size, size)
+            item, shape = _TrainCacheItem(size), (channels, size, size)
         else:
             # The PIL path's val transform up to ToTensor + Normalize, which run on the device here.
             assert _ends_in_tensor_and_normalize(steps), f"unexpected val transform {steps}"
-            item, shape = _ValCacheItem(T.Compose(steps[:-2])), (3, data_cfg.img_size, data_cfg.img_size)
+            item, shape = _ValCacheItem(T.Compose(steps[:-2])), (channels, data_cfg.img_size, data_cfg.img_size)
         self.generator = torch.Generator()  # reseeded every epoch by fit(): reproducible augmentation
         start = time.perf_counter()
         self.on_device = device.type == "cuda" and data_cfg.cache_on_device
@@ -357,7 +358,7 @@ class GpuLoader:
             heights, widths = sizes[:, 0], sizes[:, 1]
             boxes, flip = sample_crops(heights, widths, self.generator, self.scale, self.ratio, flip_p=self.flip_p)
             theta = _to(crop_theta(boxes, flip, heights, widths), self.device, self.device.type == "cuda")
-            size = (len(labels), 3, *self.out_size)
+            size = (len(labels), pixels.shape[1], *self.out_size)
             grid = F.affine_grid(theta, size, align_corners=False)
             # Interpolating uint8 values keeps normalisation identical to the PIL path's order of ops.
             pixels = F.grid_sample(pixels.float(), grid, mode="bilinear", padding_mode="border",
@@ -381,7 +382,8 @@ class EncodedFiles(Dataset):
     """Index -> (1-D uint8, kind, H, W, label, index), in the DataLoader workers.
 
     A JPEG that the device can decode as the PIL path would (RGB or grey, within
-    data.max_image_pixels, not known bad) is sent as its file's bytes (ENCODED).
+    data.max_image_pixels, not known bad) is sent as its file's bytes (ENCODED);
+    for a grey dataset it is decoded to its luma plane there, as utils/decoding.py does.
     Anything else (PNG, CMYK JPEG, an unreadable file) goes through the dataset's
     own PIL loading, with its RGB conversion and bad-image substitution, and is
     sent as pixels (PIXELS, H x W).
@@ -441,6 +443,8 @@ class JpegBatches:
 
     def __init__(self, dataset, batch_size, sampler, train, workers, device, resize, prefetch_factor=None):
         self.device, self.resize = device, resize
+        # nvJPEG's (and libjpeg's) GRAY mode writes the luma plane alone: NVJPEG_OUTPUT_Y, (1, H, W).
+        self.mode = ImageReadMode.GRAY if getattr(dataset, "channels", 3) == 1 else ImageReadMode.RGB
         files = EncodedFiles(dataset)
         self.fallback = files.pil  # a JPEG the decoder refuses goes the PIL path, in this process
         self.loader = DataLoader(files, batch_size=batch_size, sampler=sampler, drop_last=train,
@@ -464,14 +468,14 @@ class JpegBatches:
         images, labels = [None] * len(parts), [m[3] for m in meta]
         jpegs = [i for i, m in enumerate(meta) if m[0] == ENCODED]
         try:
-            decoded = _decode_jpegs([parts[i] for i in jpegs], self.device) if jpegs else []
+            decoded = _decode_jpegs([parts[i] for i in jpegs], self.device, self.mode) if jpegs else []
         except RuntimeError:
             decoded = [self._decode_one(parts[i]) for i in jpegs]
         for i, img in zip(jpegs, decoded):
             images[i] = img
         for i, (kind, h, w, _, index) in enumerate(meta):
             if kind == PIXELS:
-                images[i] = parts[i].view(3, h, w).to(self.device, non_blocking=True)
+                images[i] = parts[i].view(-1, h, w).to(self.device, non_blocking=True)
             elif images[i] is None:
                 pixels, labels[i] = self.fallback[index]
                 images[i] = pixels.to(self.device)
@@ -479,12 +483,12 @@ class JpegBatches:
 
     def _decode_one(self, part):
         try:
-            return _decode_jpegs([part], self.device)[0]
+            return _decode_jpegs([part], self.device, self.mode)[0]
         except RuntimeError:
             return None
 
 
-def _decode_jpegs(parts, device):
+def _decode_jpegs(parts, device, mode=ImageReadMode.RGB):
     # decode_jpeg(list, device=...) (torchvision >= 0.19, so torch >= 2.4) is the batched nvjpeg call.
     # torchvision 0.29 marks its decoders deprecated in favour of TorchCodec; they still work.
     if device.type == "cuda":
@@ -493,4 +497,4 @@ def _decode_jpegs(parts, device):
         torch.cuda.current_stream(device).synchronize()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return decode_jpeg(parts, mode=ImageReadMode.RGB, device=device)
+        return decode_jpeg(parts, mode=mode, device=device)

@@ -4,11 +4,24 @@ data.py's transforms end in NormalizeOnDevice, which passes uint8 images on: the
 pipeline and predict.py normalise whole batches on the device here (a quarter of the bytes through
 the workers), with the mean and std that step holds. A float image (after ConvertImageDtype) is
 normalised by NormalizeOnDevice itself, with the same formula. It lives in utils/ because the gpu
-pipeline (utils/) uses it and utils/ does not import data.py.
+pipeline (utils/) uses it and utils/ does not import data.py. The mean and std themselves are here too
+(imagenet_stats): ImageNet's per channel for RGB, one pair for grey images (data.channels=1).
 """
 import torch
 
 FORMULA = "/255, (x - mean) / std"  # what normalize computes, in words (export.py's sidecar)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# Grey images: the averages of the three above. A grey image replicated into R, G and B and normalised
+# with one (mean, std) in every channel is what a first convolution with its RGB kernels summed sees
+# exactly (model.adapt_first_conv); these are within 0.043 (mean) and 0.003 (std) of each channel's own.
+GREY_MEAN = (0.449,)
+GREY_STD = (0.226,)
+
+
+def imagenet_stats(channels=3):
+    """(mean, std) the transforms normalise with, one value per channel: data.channels 3 or 1."""
+    return {3: (IMAGENET_MEAN, IMAGENET_STD), 1: (GREY_MEAN, GREY_STD)}[channels]
 
 
 def normalize(pixels, mean, std, channels_last=False, scale=255):
@@ -53,7 +66,7 @@ def model_input(images, device, norm, channels_last=False):
 
 
 def denormalize(images, mean=None, std=None):
-    """(N, 3, H, W) normalised tensors -> the same in [0, 1] (normalize undone); per-image min-max
+    """(N, C, H, W) normalised tensors -> the same in [0, 1] (normalize undone); per-image min-max
     without mean/std. uint8 images (before the loop normalises them) are pixels: /255."""
     if images.dtype == torch.uint8:
         return images.detach().cpu().float() / 255

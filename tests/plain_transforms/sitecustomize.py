@@ -12,9 +12,9 @@ from torchvision import transforms as T  # noqa: E402
 from utils.decoding import DraftRandomResizedCrop, DraftResize  # noqa: E402
 
 
-def plain_transforms(img_size, val_resize, min_crop_scale=0.08):
+def plain_transforms(img_size, val_resize, min_crop_scale=0.08, channels=3):
     """(train, val) as data.build_transforms ships them: exactly the steps the gpu pipeline reproduces."""
-    norm = data.NormalizeOnDevice(data.IMAGENET_MEAN, data.IMAGENET_STD)
+    norm = data.NormalizeOnDevice(*data.imagenet_stats(channels))
     train = T.Compose([DraftRandomResizedCrop(img_size, scale=(min_crop_scale, 1.0)), T.RandomHorizontalFlip(),
                        norm])
     return train, T.Compose([DraftResize(val_resize), T.CenterCrop(img_size), T.PILToTensor(), norm])
