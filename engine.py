@@ -42,7 +42,7 @@ from utils.normalization import model_input, normalization_of
 from utils.mixing import batch_mixer
 from utils.optim import (WeightEMA, build_optimizer, build_scaler, build_scheduler, place_schedule,
                          resolve_amp)
-from utils.run_logger import RunLogger, check_run_dir, check_writable, resolve_run_dir
+from utils.run_logger import RunLogger, check_run_dir, check_writable, resolve_run_dir, scalar_tag
 from utils.stop import StopRequest
 
 _NO_BAD_STEP = 2 ** 62
@@ -57,33 +57,48 @@ DATA_WAIT_HINT = 0.2
 class Criterion:
     """The loss, in one place: training calls criterion(logits, targets) for the batch's mean loss
     (targets are class indices, or MixUp/CutMix's soft targets, one row of class probabilities per
-    image). Evaluation calls criterion.per_image(logits, labels): each image's plain loss (no
-    smoothing, no weights), for val_loss and the worst mistakes.
+    image; multi-label: one row of 0/1 per image, or their mix). Evaluation calls
+    criterion.per_image(logits, labels): each image's plain loss (no smoothing, no weights), for
+    val_loss and the worst mistakes.
+
+    Single-label: cross entropy. Multi-label (`multilabel`): a sigmoid and binary cross entropy per
+    label, averaged over the labels (an image's loss) and the batch; `pos_weight` scales each label's
+    positive term (optim.class_weights). optim.label_smoothing=eps pulls a binary target t to
+    t * (1 - eps) + eps / 2: a positive becomes 1 - eps/2, a negative eps/2.
 
     To train with another loss, change `loss`: both calls go through it. Its options are the fields
     below, and a field named as an optim.* key takes that key's value (build_criterion): a focal loss's
     gamma is one field here and one key in configs/default.yaml and utils/config.py."""
     label_smoothing: float = 0.0                 # optim.label_smoothing
     class_weight: Optional[torch.Tensor] = None  # optim.class_weights, one weight per class (class_weights)
+    multilabel: bool = False                     # the data's task (its dataset's .multilabel)
+    pos_weight: Optional[torch.Tensor] = None    # multi-label optim.class_weights, one per label (pos_weights)
 
     def __call__(self, logits, targets):
         return self.loss(logits, targets, reduction="mean")
 
     def per_image(self, logits, labels):
-        plain = dataclasses.replace(self, label_smoothing=0.0, class_weight=None)
+        plain = dataclasses.replace(self, label_smoothing=0.0, class_weight=None, pos_weight=None)
         return plain.loss(logits.float(), labels, reduction="none")
 
     def loss(self, logits, targets, reduction):
         """The batch's mean loss (reduction="mean") or each image's ("none")."""
+        if self.multilabel:
+            targets = targets.to(logits.dtype)
+            if self.label_smoothing:
+                targets = targets * (1 - self.label_smoothing) + self.label_smoothing / 2
+            per_label = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.pos_weight,
+                                                           reduction="none")
+            return per_label.mean() if reduction == "mean" else per_label.mean(dim=1)
         return F.cross_entropy(logits, targets, weight=self.class_weight, label_smoothing=self.label_smoothing,
                                reduction=reduction)
 
 
-def build_criterion(optim_cfg, class_weight=None):
+def build_criterion(optim_cfg, class_weight=None, multilabel=False, pos_weight=None):
     """The config's loss: each Criterion field named as an optim.* key gets that key's value, and the
-    class weights (class_weights)."""
+    class weights (class_weights) or, multi-label, the labels' positive weights (pos_weights)."""
     options = {f.name: getattr(optim_cfg, f.name) for f in dataclasses.fields(Criterion) if f.name in optim_cfg}
-    return Criterion(**options, class_weight=class_weight)
+    return Criterion(**options, class_weight=class_weight, multilabel=multilabel, pos_weight=pos_weight)
 
 
 def class_weights(spec, labels, num_classes, device):
@@ -102,11 +117,37 @@ def class_weights(spec, labels, num_classes, device):
         counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes).double()
         weights = counts.sum() / (num_classes * counts.clamp(min=1))
     else:
-        if len(spec) != num_classes:
-            raise UserError(f"optim.class_weights has {len(spec)} weights, the data has {num_classes} classes",
-                            every_rank=True)
-        weights = torch.tensor([float(w) for w in spec], dtype=torch.float64)
+        weights = _listed_weights(spec, num_classes, "classes")
     return weights.float().to(device)
+
+
+def pos_weights(spec, samples, num_classes, device):
+    """Multi-label optim.class_weights -> a (num_classes,) pos_weight tensor on `device`, or None.
+    `samples`: the training set's SampleList (its multi-label CSR `label_values`), or None.
+
+    auto: pos_weight_c = (N - n_c) / n_c, the negatives per positive of label c among the N training
+    images, so each label's positives weigh as much as its negatives. A label with no positive in
+    training gets 1 (its positive term never occurs; 1 leaves the loss as it is).
+    A list gives each label's pos_weight as written."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        values = getattr(samples, "label_values", None)
+        if values is None:
+            raise UserError("optim.class_weights=auto needs the training labels: the dataset has no multi-label "
+                            "samples (.samples.label_values)", every_rank=True)
+        counts = torch.bincount(torch.as_tensor(values, dtype=torch.long), minlength=num_classes).double()
+        weights = torch.where(counts > 0, (len(samples) - counts) / counts.clamp(min=1), torch.ones_like(counts))
+    else:
+        weights = _listed_weights(spec, num_classes, "labels")
+    return weights.float().to(device)
+
+
+def _listed_weights(spec, num_classes, what):
+    if len(spec) != num_classes:
+        raise UserError(f"optim.class_weights has {len(spec)} weights, the data has {num_classes} {what}",
+                        every_rank=True)
+    return torch.tensor([float(w) for w in spec], dtype=torch.float64)
 
 
 def sample_metrics(num_classes):
@@ -411,7 +452,8 @@ class EvalSettings:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, worst_k=0):
+def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, worst_k=0, threshold=0.5,
+             tune_thresholds=False):
     """Loss, accuracy, sample_metrics (top-5), confusion matrix, per-class precision/recall/F1 over the
     whole validation set, and with `worst_k` the k misclassified images of highest loss ("val_worst").
 
@@ -419,13 +461,18 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     once, so every image counts exactly once and the result equals a single-process evaluation
     whatever the world size. Each rank keeps its own k worst on the device (no host sync per
     batch); the lists are gathered once and merged by (loss, dataset index), as one process would.
+
+    A multi-label dataset (`.multilabel`) gets multilabel_report's metrics instead, at `threshold`
+    (one number, or one per label), or at the thresholds tuned on these scores (`tune_thresholds`).
     """
     broadcast_buffers(model)  # every rank evaluates rank 0's model, the one checkpointed
     model.eval()
     settings = settings or EvalSettings()
     criterion, amp_dtype, channels_last = settings.criterion, settings.amp_dtype, settings.channels_last
     logger = logger or RunLogger(".", enabled=False)
-    metrics = sample_metrics(num_classes)
+    multilabel = is_multilabel(loader)
+    metrics = {} if multilabel else sample_metrics(num_classes)
+    scores = _AllScores(loader, device, num_classes) if multilabel else None
     zero = torch.zeros((), device=device, dtype=torch.float64)
     sums = {"loss": zero.clone(), **{name: zero.clone() for name in metrics},
             "confusion": torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)}
@@ -437,6 +484,9 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
         images, labels = _to_device(images, labels, device, channels_last, norm)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
+        if multilabel:  # kept whole: mAP and tuned thresholds need every score, not sums
+            scores.add(logits, labels)
+            continue
         losses = criterion.per_image(logits, labels).double()
         sums["loss"] += losses.sum()
         for name, metric in metrics.items():
@@ -449,6 +499,10 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     for _ in range(padding):  # results unused: only the collectives inside the forward count
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             model(images[:1])
+    if multilabel:
+        out = scores.report(criterion, threshold, tune_thresholds, worst_k, loader.dataset)
+        out["val_seconds"] = time.perf_counter() - start
+        return out
     totals = reduce_sums(sums)
     confusion = totals.pop("confusion").view(num_classes, num_classes)  # rows: true class, columns: predicted
     count = confusion.sum().item()
@@ -522,6 +576,130 @@ def classification_report(confusion):
             "val_macro_f1": f1.mean().item(), "val_confusion": confusion.long().tolist()}
 
 
+# --------------------------------------------------------------------------- multi-label metrics
+
+class _AllScores:
+    """Multi-label evaluation: every logit and target of this rank's shard, with its dataset index.
+    Gathered once at the end and put in dataset order, so each rank holds exactly the scores one
+    process would have, and computes the same metrics and thresholds from them."""
+
+    def __init__(self, loader, device, num_classes):
+        sampler = getattr(loader, "sampler", None)
+        order = list(sampler) if sampler is not None else list(range(len(loader.dataset)))
+        self.positions, self.num_classes = torch.tensor(order, dtype=torch.long), num_classes
+        self.logits, self.targets = [], []
+
+    def add(self, logits, targets):
+        self.logits.append(logits.float())
+        self.targets.append(targets > 0.5)
+
+    def gathered(self):
+        """(dataset indices, logits, 0/1 targets) of the whole set in dataset order (a collective)."""
+        empty = torch.zeros(0, self.num_classes)
+        logits = torch.cat(self.logits).cpu() if self.logits else empty
+        targets = torch.cat(self.targets).cpu() if self.targets else empty.bool()
+        parts = gather_objects((self.positions[:len(logits)], logits, targets))
+        index, logits, targets = (torch.cat([part[k] for part in parts]) for k in range(3))
+        order = index.argsort()
+        return index[order], logits[order], targets[order]
+
+    def report(self, criterion, threshold, tune, worst_k, dataset):
+        index, logits, targets = self.gathered()
+        losses = dataclasses.replace(criterion, multilabel=True).per_image(logits, targets).double()
+        probs = logits.double().sigmoid()
+        thresholds = torch.as_tensor(threshold, dtype=torch.float64).expand(self.num_classes).clone()
+        if tune:
+            thresholds = best_f1_thresholds(probs, targets, thresholds)
+        out = {"val_loss": losses.mean().item() if len(losses) else 0.0, **multilabel_report(probs, targets, thresholds)}
+        if worst_k:
+            out["val_worst"] = _worst_multilabel(index, probs, targets, thresholds, losses, worst_k, dataset)
+        out["val_pr"] = (probs, targets)  # for the pictures (precision-recall curves); popped by the callers
+        return out
+
+
+def _ranked(probs, targets):
+    """One label's scores sorted high to low (ties in dataset order), and at each distinct score
+    (the last position of its run): the true positives and the images at or above it."""
+    s, order = probs.sort(descending=True, stable=True)
+    y = targets[order].double()
+    last = torch.cat([s[1:] != s[:-1], s.new_ones(1, dtype=torch.bool)]).nonzero().flatten() if len(s) else \
+        torch.zeros(0, dtype=torch.long)
+    return s, y.cumsum(0)[last], (last + 1).double(), last
+
+
+def average_precision(probs, targets):
+    """Each label's average precision over all images, not binned: the sum over distinct scores of
+    (recall gained) x (precision at that score), scikit-learn's average_precision_score; NaN for a
+    label without a positive. probs, targets: (N, C)."""
+    ap = []
+    for c in range(probs.shape[1]):
+        _, tp, seen, _ = _ranked(probs[:, c], targets[:, c])
+        positives = targets[:, c].sum().item()
+        if not positives:
+            ap.append(math.nan)
+            continue
+        recall = tp / positives
+        ap.append(((recall - torch.cat([recall.new_zeros(1), recall[:-1]])) * tp / seen).sum().item())
+    return torch.tensor(ap, dtype=torch.float64)
+
+
+def best_f1_thresholds(probs, targets, default):
+    """Per label, the threshold that maximises its F1 on these scores: halfway between the score
+    that scores best (the highest, on a tie) and the next lower one. A label whose best F1 is 0
+    (no positive) keeps its `default`."""
+    out = default.clone()
+    for c in range(probs.shape[1]):
+        s, tp, seen, last = _ranked(probs[:, c], targets[:, c])
+        positives = targets[:, c].sum().item()
+        if not positives:
+            continue
+        f1 = 2 * tp / (seen + positives)
+        best = int(f1.argmax())  # the first maximum: the highest such threshold
+        if f1[best] > 0:
+            nxt = last[best] + 1
+            out[c] = (s[last[best]] + s[nxt]) / 2 if nxt < len(s) else s[last[best]]
+    return out
+
+
+def multilabel_report(probs, targets, thresholds):
+    """Multi-label metrics from every image's probabilities (N, C) and 0/1 targets: per label
+    precision, recall, F1 (a label is predicted at or above its threshold), AP and positives;
+    micro-F1 (over all image-label pairs), macro-F1 (mean of the labels' F1), mAP (mean AP over the
+    labels with a positive) and exact-match accuracy (the whole label set right). 0 where undefined."""
+    pred = probs >= thresholds
+    truth = targets.bool()
+    tp = (pred & truth).sum(0).double()
+    fp = (pred & ~truth).sum(0).double()
+    fn = (~pred & truth).sum(0).double()
+
+    def ratio(a, b):
+        return torch.where(b > 0, a / b.clamp(min=1), torch.zeros_like(a))
+
+    f1 = ratio(2 * tp, 2 * tp + fp + fn)
+    ap = average_precision(probs, targets)
+    has_positive = ~ap.isnan()
+    micro = ratio(2 * tp.sum(), 2 * tp.sum() + fp.sum() + fn.sum())
+    return {"val_map": ap[has_positive].mean().item() if has_positive.any() else 0.0,
+            "val_micro_f1": micro.item(), "val_macro_f1": f1.mean().item(),
+            "val_exact_match": (pred == truth).all(dim=1).double().mean().item() if len(pred) else 0.0,
+            "val_count": len(pred),
+            "val_precision": ratio(tp, tp + fp).tolist(), "val_recall": ratio(tp, tp + fn).tolist(),
+            "val_f1": f1.tolist(), "val_ap": [None if math.isnan(a) else a for a in ap.tolist()],
+            "val_positives": (tp + fn).long().tolist(), "val_threshold": thresholds.tolist()}
+
+
+def _worst_multilabel(index, probs, targets, thresholds, losses, k, dataset):
+    """The k images whose predicted label set is wrong, of highest loss (ties: lower dataset index)."""
+    pred = probs >= thresholds
+    wrong = (pred != targets.bool()).any(dim=1)
+    key = torch.where(wrong, losses, torch.full_like(losses, -math.inf))
+    order = key.sort(descending=True, stable=True).indices[:k]
+    samples = getattr(dataset, "samples", None)
+    return [{"index": int(index[i]), "path": str(samples[int(index[i])][0]) if samples is not None else None,
+             "labels": targets[i].nonzero().flatten().tolist(), "preds": pred[i].nonzero().flatten().tolist(),
+             "loss": losses[i].item()} for i in order.tolist() if wrong[i]]
+
+
 # --------------------------------------------------------------------------- the run: fit
 
 def compile_model(model):
@@ -580,8 +758,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         check_writable(run_dir)
         ckpt.remove_stale_temps(run_dir / "checkpoints")
-    run_state, notes = (ckpt.RunState(), []) if resume_path is None else _restore(cfg, state, step, layout, classes,
-                                                                                   dist_info)
+    run_state, notes = (ckpt.RunState(multilabel=is_multilabel(train_loader)), []) if resume_path is None else \
+        _restore(cfg, state, step, layout, classes, dist_info)
     del state
     logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
                        resuming=resume_path is not None or restarted or cfg.resume == "auto")
@@ -602,11 +780,21 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     return {"best_acc": run_state.best_acc, "run_dir": str(run_dir), "last": metrics}
 
 
-def compute_settings(cfg, device, class_weight=None):
+def compute_settings(cfg, device, class_weight=None, multilabel=False, pos_weight=None):
     """(criterion, autocast dtype or None, channels_last) of the config on `device`: resolved here
     alone, for training (build_step) and --eval-only (whose loss is the plain per-image one)."""
-    return (build_criterion(cfg.optim, class_weight), resolve_amp(cfg.train.amp, device),
+    return (build_criterion(cfg.optim, class_weight, multilabel, pos_weight), resolve_amp(cfg.train.amp, device),
             use_channels_last(cfg.model.channels_last, device))
+
+
+def is_multilabel(loader):
+    """The data's task, as its dataset says (data.py resolves data.task); never re-derived here."""
+    return bool(getattr(getattr(loader, "dataset", None), "multilabel", False))
+
+
+def score_key(multilabel):
+    """The validation number the best checkpoint follows: val_map multi-label, else val_acc."""
+    return "val_map" if multilabel else "val_acc"
 
 
 def build_step(cfg, model, train_loader, classes, dist_info):
@@ -618,17 +806,23 @@ def build_step(cfg, model, train_loader, classes, dist_info):
     if steps == 0:
         raise UserError(f"train.accum_steps={accum} is more than the {len(train_loader)} batches of an epoch "
                         "per process; lower it or --batch-size", every_rank=True)
-    class_weight = class_weights(cfg.optim.class_weights, getattr(train_loader.dataset, "targets", None),
+    multilabel = is_multilabel(train_loader)
+    class_weight, pos_weight = None, None
+    if multilabel:
+        pos_weight = pos_weights(cfg.optim.class_weights, getattr(train_loader.dataset, "samples", None),
                                  len(classes), device)
+    else:
+        class_weight = class_weights(cfg.optim.class_weights, getattr(train_loader.dataset, "targets", None),
+                                     len(classes), device)
     network = ckpt.unwrap(model)  # what the optimizer, the EMA and the checkpoints see
-    criterion, amp_dtype, channels_last = compute_settings(cfg, device, class_weight)
+    criterion, amp_dtype, channels_last = compute_settings(cfg, device, class_weight, multilabel, pos_weight)
     optimizer = build_optimizer(network, cfg.optim, world, fused=amp_dtype == torch.float16)
     step = Step(model=compile_model(model) if cfg.train.compile else model, optimizer=optimizer,
                 scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps),
                 scaler=build_scaler(amp_dtype, device), device=device,
                 criterion=criterion, amp_dtype=amp_dtype, channels_last=channels_last, accum_steps=accum,
                 clip_grad_norm=cfg.optim.clip_grad_norm,
-                mix=batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes)),
+                mix=batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes), multilabel),
                 ema=WeightEMA(network, cfg.train.ema_decay) if cfg.train.ema_decay else None)
     layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, steps, len(train_loader.dataset),
                               accum_steps=accum, sampler=cfg.data.sampler)
@@ -638,6 +832,11 @@ def build_step(cfg, model, train_loader, classes, dist_info):
 def _restore(cfg, state, step, layout, classes, dist_info):
     """The checkpoint's weights, optimizer, schedule, scaler and EMA into the step; its RunState, and
     notes on what differs from this run (world size, epochs, a missing EMA)."""
+    if bool(state.get("multilabel")) != step.criterion.multilabel:
+        task = {True: "multi-label", False: "single-label"}
+        raise UserError(f"checkpoint is of a {task[bool(state.get('multilabel'))]} run, the data is "
+                        f"{task[step.criterion.multilabel]} (data.task); resume with the same task, or start "
+                        "from its weights with --weights", every_rank=True)
     run_state = ckpt.restore(state, step.model, step.optimizer, step.scheduler, step.scaler, classes,
                              model_name=cfg.model.name, ema=step.ema)
     notes = []
@@ -671,7 +870,9 @@ def _log_start(run, resume_path, notes):
     if resume_path is None:
         logger.write_config(cfg)
         logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(run.classes)})
-        logger.hparams(config_to_dict(cfg), ["val/acc", "val/best_acc", "val/macro_f1", "val/loss", "train/loss"])
+        score = scalar_tag(score_key(step.criterion.multilabel))
+        logger.hparams(config_to_dict(cfg), [score, score.replace("/", "/best_"), "val/macro_f1", "val/loss",
+                                             "train/loss"])
     resume_at = run_state.resume_at
     where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
     logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
@@ -684,9 +885,11 @@ def _log_start(run, resume_path, notes):
                 f"{len(run.classes)} classes, {run.dist_info.world_size} process(es) on {device}, "
                 f"lr {step.optimizer.param_groups[0]['initial_lr']:.4g}, amp {step.amp_dtype or 'off'}"
                 + (f", {step.accum_steps} batches per step" if step.accum_steps > 1 else ""))
-    weight = step.criterion.class_weight
+    weight, pos_weight = step.criterion.class_weight, step.criterion.pos_weight
     if weight is not None:
         logger.info("class weights: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, weight.tolist())))
+    if pos_weight is not None:
+        logger.info("pos_weight: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, pos_weight.tolist())))
 
 
 def _train_epoch(run, epoch):
@@ -713,25 +916,30 @@ def _train_epoch(run, epoch):
     run_state.resume_at, run_state.global_step, train = None, end.global_step, end.metrics
     if end.stopped:
         _raise_stopped(stop, f"in epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
-    val, worst = _validate(run)
+    val, worst, pr = _validate(run)
     # With an EMA, the better of the two weight sets competes; best.pt records which ("best_weights").
-    which = "ema" if run.step.ema is not None and val["val_acc_ema"] > val["val_acc"] else "model"
-    score = val["val_acc_ema"] if which == "ema" else val["val_acc"]
+    # Multi-label runs compete on val_map, the others on val_acc.
+    key = score_key(run_state.multilabel)
+    which = "ema" if run.step.ema is not None and val[f"{key}_ema"] > val[key] else "model"
+    score = val[f"{key}_ema"] if which == "ema" else val[key]
     is_best = score > run_state.best_acc
     if is_best:
         run_state.best_acc, run_state.best_weights = score, which
+    if run_state.multilabel:  # those of the weights a checkpoint's user loads (checkpoint.best_weights)
+        run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
     run_state.epoch = epoch + 1
     run.saver.save(run_state, is_best=is_best)
     figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
-                                            run_state.global_step) if cfg.train.figures else 0.0
+                                            run_state.global_step, pr) if cfg.train.figures else 0.0
     metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
-               "best_acc": run_state.best_acc,
+               key.replace("val_", "best_"): run_state.best_acc,
                **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
                "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
     run.logger.epoch(metrics, run.classes)
     run.logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
-                    f"val_loss {val['val_loss']:.4f}  val_acc {val['val_acc']:.4f}  "
-                    + (f"val_acc_ema {val['val_acc_ema']:.4f}  " if run.step.ema is not None else "")
+                    f"val_loss {val['val_loss']:.4f}  {key} {val[key]:.4f}  "
+                    + (f"val_macro_f1 {val['val_macro_f1']:.4f}  " if run_state.multilabel else "")
+                    + (f"{key}_ema {val[key + '_ema']:.4f}  " if run.step.ema is not None else "")
                     + f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
     if end.input_bound and not run.hinted:
         run.hinted = True
@@ -752,56 +960,88 @@ def input_bound_hint(share, epoch, loader):
 
 
 def _validate(run):
-    """The epoch's validation metrics (and the EMA's beside them) and its worst mistakes (or None)."""
+    """The epoch's validation metrics (and the EMA's beside them), its worst mistakes (or None) and,
+    multi-label, every image's (probabilities, targets) for the precision-recall curves (or None)."""
     step, cfg = run.step, run.cfg
+    thresholds = {"threshold": cfg.eval.threshold, "tune_thresholds": cfg.eval.tune_thresholds}
     val = evaluate(step.model, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
-                   worst_k=cfg.train.worst_images if cfg.train.figures else 0)
-    worst = val.pop("val_worst", None)
+                   worst_k=cfg.train.worst_images if cfg.train.figures else 0, **thresholds)
+    worst, pr = val.pop("val_worst", None), val.pop("val_pr", None)
     if step.ema is not None:  # the average's own evaluation, beside the raw weights'
-        averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), step, logger=run.logger)
-        val.update({f"{k}_ema": averaged[k] for k in ("val_loss", "val_acc", "val_macro_f1")})
+        averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
+                            **thresholds)
+        kept = ("val_loss", "val_map", "val_macro_f1", "val_threshold") if run.run_state.multilabel else \
+            ("val_loss", "val_acc", "val_macro_f1")
+        val.update({f"{k}_ema": averaged[k] for k in kept})
     # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
     val["bad_images"] = sum(ds.sync_bad_images() for ds in (run.train_loader.dataset, run.val_loader.dataset)
                             if hasattr(ds, "sync_bad_images"))
-    return val, worst
+    return val, worst, pr
 
 
 # --------------------------------------------------------------------------- --eval-only
 
 def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state=None):
     """--eval-only: the checkpoint's (or --weights') model on the validation split, or on test/
-    when the data root has one; rank 0 writes eval.json (evaluate's own keys) and two pictures."""
-    device = dist_info.device
+    when the data root has one; rank 0 writes eval.json (evaluate's own keys) and two pictures.
+    Multi-label: at the checkpoint's thresholds (eval.threshold for --weights, or tuned on this split
+    with eval.tune_thresholds), eval.json with a per-label table ("labels")."""
+    device, multilabel = dist_info.device, is_multilabel(val_loader)
     if resume_path is None and not cfg.model.weights:  # load_config refused neither; --resume auto found nothing
         raise UserError(f"--eval-only --resume {cfg.resume} found no checkpoint in '{run_dir}'; pass "
                         "--resume CHECKPOINT or --weights FILE", every_rank=True)
-    source = str(resume_path or cfg.model.weights)
+    source, thresholds = str(resume_path or cfg.model.weights), None
     if resume_path is not None:
         state = state or ckpt.load_checkpoint(resume_path, map_location="cpu")
         ckpt.check_compatible(state, model, classes, model_name=cfg.model.name)
+        theirs, thresholds = ckpt.label_task(state)
+        if theirs != multilabel:
+            task = {True: "multi-label", False: "single-label"}
+            raise UserError(f"checkpoint '{resume_path}' is of a {task[theirs]} run, the data is {task[multilabel]} "
+                            "(data.task)", every_rank=True)
         weights = ckpt.best_weights(state)  # its EMA where that made the best accuracy (train.ema_decay)
         ckpt.load_weights(model, weights)
         source += " (EMA weights)" if weights is state.get("ema") else ""
         del state, weights
     if dist_info.rank == 0:
         check_writable(run_dir)
-    val = evaluate(model, val_loader, device, len(classes), EvalSettings(*compute_settings(cfg, device)),
-                   worst_k=cfg.train.worst_images)
+    val = evaluate(model, val_loader, device, len(classes), EvalSettings(*compute_settings(cfg, device, multilabel=multilabel)),
+                   worst_k=cfg.train.worst_images, threshold=thresholds or cfg.eval.threshold,
+                   tune_thresholds=cfg.eval.tune_thresholds)
     val.pop("val_seconds")
-    val["val_worst"] = [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]}
-                        for w in val.get("val_worst", [])]
+    val.pop("val_pr", None)
+    if multilabel:
+        val["val_worst"] = [{**w, "true": [classes[c] for c in w["labels"]],
+                             "predicted": [classes[c] for c in w["preds"]]} for w in val.get("val_worst", [])]
+        val["labels"] = [{"label": name, **{k: val[f"val_{k}"][c] for k in PER_LABEL}}
+                         for c, name in enumerate(classes)]
+    else:
+        val["val_worst"] = [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]}
+                            for w in val.get("val_worst", [])]
     split = getattr(val_loader.dataset, "split", "val")
     result = {"checkpoint": source, "split": split, "classes": list(classes), **val}
     if dist_info.rank == 0:
-        figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
-                         run_dir / "confusion_matrix.png")
+        if multilabel:
+            figures.save_png(figures.f1_bars_image(val["val_f1"], classes), run_dir / "per_label_f1.png")
+        else:
+            figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
+                             run_dir / "confusion_matrix.png")
         if cfg.train.worst_images:
             figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset),
                              run_dir / "worst_mistakes.png")
         tmp = run_dir / "eval.json.tmp"
         tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         tmp.replace(run_dir / "eval.json")
-        top5 = f"  top-5 {val['val_top5']:.4f}" if "val_top5" in val else ""
-        print(f"eval-only: {source} on {split}: {val['val_count']} images  accuracy {val['val_acc']:.4f}"
-              f"{top5}  macro-F1 {val['val_macro_f1']:.4f}  -> {run_dir / 'eval.json'}", flush=True)
-    return {"best_acc": val["val_acc"], "run_dir": str(run_dir), "last": result}
+        if multilabel:
+            scores = (f"mAP {val['val_map']:.4f}  micro-F1 {val['val_micro_f1']:.4f}  "
+                      f"exact match {val['val_exact_match']:.4f}")
+        else:
+            top5 = f"  top-5 {val['val_top5']:.4f}" if "val_top5" in val else ""
+            scores = f"accuracy {val['val_acc']:.4f}{top5}"
+        print(f"eval-only: {source} on {split}: {val['val_count']} images  {scores}  "
+              f"macro-F1 {val['val_macro_f1']:.4f}  -> {run_dir / 'eval.json'}", flush=True)
+    return {"best_acc": val[score_key(multilabel)], "run_dir": str(run_dir), "last": result}
+
+
+# The per-label columns of a multi-label eval.json's table ("labels"), each a val_* list of evaluate's.
+PER_LABEL = ("precision", "recall", "f1", "ap", "threshold", "positives")

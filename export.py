@@ -6,7 +6,8 @@
 
 The batch dimension is dynamic. The sidecar (<out>.json) holds what a deployment
 needs around the network: class names, input size (channels first: 1 for a grey
-run, data.channels=1), resize, mean and std. Before
+run, data.channels=1), resize, mean and std, and how to read the outputs ("activation": softmax, or
+sigmoid with each label's threshold for a multi-label model). Before
 the file is put in place its outputs are compared with PyTorch's on a batch of
 another size than the one exported with; the max abs diff is printed, and over
 1e-4 nothing is written.
@@ -92,7 +93,12 @@ def main(argv=None):
     sidecar = out.with_name(out.name + ".json")
     sidecar.write_text(json.dumps({
         "format": args.format, "checkpoint": str(ckpt_path), "model": config.get("model", {}).get("name"),
-        "classes": classes, "input": "images", "output": "logits (softmax gives probabilities)",
+        "classes": classes, "input": "images",
+        **({"output": "logits (sigmoid gives each label's probability; a label is predicted at or above its threshold)",
+            "activation": "sigmoid", "multilabel": True,
+            "thresholds": model.thresholds}
+           if getattr(model, "multilabel", False) else
+           {"output": "logits (softmax gives probabilities)", "activation": "softmax", "multilabel": False}),
         "input_size": [channels, size, size], "resize": resize,
         "mean": list(mean), "std": list(std),
         "preprocess": f"{'grey (L)' if channels == 1 else 'RGB'}, resize shorter side to `resize`, "

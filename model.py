@@ -23,7 +23,7 @@ import torchvision
 from torch import nn
 from torchvision.ops import misc as tv_misc
 
-from utils.checkpoint import best_weights, load_checkpoint, strip_wrapper_prefixes
+from utils.checkpoint import best_weights, label_task, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
 from utils.errors import UserError
 from utils.fsdp import checkpoint_blocks
@@ -423,6 +423,7 @@ def load_trained(source):
     Everything comes from the checkpoint itself: architecture, classes, image sizes, channels (data.channels;
     a checkpoint without it was trained on RGB).
     The EMA weights ("ema") are used when they made the checkpoint's best accuracy ("best_weights").
+    A multi-label checkpoint's model has .multilabel True and .thresholds (one per label).
     """
     path = checkpoint_path(source)
     state = load_checkpoint(path, map_location="cpu")  # weights_only: pickled code is refused
@@ -438,4 +439,5 @@ def load_trained(source):
         model.load_state_dict(strip_wrapper_prefixes(weights))
     except RuntimeError as e:
         raise UserError(f"checkpoint '{path}' does not fit a {name}: {str(e).splitlines()[0]}")
+    model.multilabel, model.thresholds = label_task(state)  # how predict.py and export.py read its outputs
     return model.eval(), classes, config, path

@@ -1,4 +1,5 @@
-"""Classify images with a trained model: top-k classes and probabilities per image.
+"""Classify images with a trained model: top-k classes and probabilities per image (multi-label: the labels
+at or above their thresholds, and each label's probability).
 
     python predict.py runs/demo data/demo_flowers/daisy                    # a run directory = its best.pt
     python predict.py runs/demo/checkpoints/last.pt photo.jpg 'more/**/*.png' --topk 3
@@ -8,7 +9,10 @@ PATH is an image, a folder (searched recursively) or a glob. The model, the
 validation transform, the class names and the channels (a grey run's images are
 read as grey) come from the checkpoint itself; EMA
 weights are used when it holds them. A table shows the first images; all go to
---out (.csv or .json; default: predictions.csv in the run directory). An
+--out (.csv or .json; default: predictions.csv in the run directory). A multi-label
+checkpoint gives each image the labels whose sigmoid probability reaches the label's
+threshold (from the checkpoint: eval.threshold, or those tuned on validation), and
+--out holds every label's probability. An
 unreadable file is warned about, listed and skipped; the exit is non-zero only
 when no image can be read.
 """
@@ -74,20 +78,27 @@ class ImageFiles(Dataset):
             return self.transform(Image.new(self.mode, (self.size, self.size))), i, str(e)
 
 
-def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0, mode="RGB"):
-    """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable). mode: RGB or L (grey)."""
+def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0, mode="RGB",
+            thresholds=None):
+    """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable). mode: RGB or L (grey).
+    thresholds (multi-label, one per label): each row is (path, [(label index, prob) of the labels at or
+    above their threshold, most probable first], every label's prob)."""
     files = ImageFiles(paths, transform, size, max_pixels, mode)
     loader = DataLoader(files, batch_size=batch_size, num_workers=workers, pin_memory=device.type == "cuda")
     norm = normalization_of(files, device)  # uint8 batches are normalised on the device, as in training
     rows, bad = [], []
     with torch.inference_mode():
         for images, index, errors in loader:
-            probs = model(model_input(images, device, norm)).float().softmax(dim=1)
-            top = probs.topk(topk, dim=1)
-            for i, err, p, c in zip(index.tolist(), errors, top.values.tolist(), top.indices.tolist()):
+            logits = model(model_input(images, device, norm)).float()
+            probs = logits.sigmoid() if thresholds is not None else logits.softmax(dim=1)
+            top = probs.topk(topk if thresholds is None else probs.shape[1], dim=1)
+            for i, err, p, c, every in zip(index.tolist(), errors, top.values.tolist(), top.indices.tolist(),
+                                           probs.tolist()):
                 if err:
                     print(f"warning: skipping unreadable image: {err}", file=sys.stderr, flush=True)
                     bad.append((paths[i], err))
+                elif thresholds is not None:
+                    rows.append((paths[i], [(k, pk) for k, pk in zip(c, p) if pk >= thresholds[k]], every))
                 else:
                     rows.append((paths[i], list(zip(c, p))))
     return rows, bad
@@ -96,6 +107,19 @@ def predict(model, paths, transform, size, device, topk, batch_size, workers, ma
 def write_predictions(rows, classes, out, topk):
     """CSV or JSON by suffix, via a temporary file: an existing file is replaced only when complete."""
     tmp = out.with_name(f".{out.name}.tmp")
+    if rows and len(rows[0]) == 3:  # multi-label: the predicted labels, then every label's probability
+        if out.suffix == ".json":
+            tmp.write_text(json.dumps([{"path": p, "labels": [{"class": classes[c], "prob": round(pr, 6)} for c, pr in on],
+                                        "probs": {name: round(pr, 6) for name, pr in zip(classes, every)}}
+                                       for p, on, every in rows], indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        else:
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                w = csv.writer(f)
+                w.writerow(["path", "labels", *classes])
+                for p, on, every in rows:
+                    w.writerow([p, ";".join(classes[c] for c, _ in on), *(f"{pr:.6f}" for pr in every)])
+        tmp.replace(out)
+        return
     if out.suffix == ".json":
         tmp.write_text(json.dumps([{"path": p, "top": [{"class": classes[c], "prob": round(pr, 6)} for c, pr in top]}
                                    for p, top in rows], indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -139,22 +163,24 @@ def main(argv=None):
     workers = min(workers, max(0, (len(paths) - 1) // args.batch_size))  # one batch: no worker start-up
 
     start = time.perf_counter()
+    thresholds = model.thresholds if getattr(model, "multilabel", False) else None  # the checkpoint's own
     rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
-                        int(data_cfg["max_image_pixels"]), mode=MODES[channels])
+                        int(data_cfg["max_image_pixels"]), mode=MODES[channels], thresholds=thresholds)
     seconds = time.perf_counter() - start
     if not rows:
         raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", RUNTIME_EXIT)
 
-    width = min(max(len(p) for p, _ in rows[:SHOWN]), 60)
-    for p, top in rows[:SHOWN]:
+    width = min(max(len(row[0]) for row in rows[:SHOWN]), 60)
+    for p, top, *_ in rows[:SHOWN]:
         shown = p if len(p) <= width else "..." + p[-(width - 3):]
-        print(f"{shown:<{width}}  " + "  ".join(f"{classes[c]} {pr:.3f}" for c, pr in top))
+        print(f"{shown:<{width}}  " + ("  ".join(f"{classes[c]} {pr:.3f}" for c, pr in top) or "(no label)"))
     if len(rows) > SHOWN:
         print(f"... and {len(rows) - SHOWN} more")
     write_predictions(rows, classes, out, topk)
     print(f"{len(rows)} image(s) in {seconds:.1f}s ({len(paths) / max(seconds, 1e-9):.0f} img/s on {device})"
           + (f", {len(bad)} unreadable skipped: " + ", ".join(p for p, _ in bad) if bad else "")
-          + f"; top-{topk} written to {out}")
+          + (f"; labels at their thresholds and every label's probability written to {out}" if thresholds
+             else f"; top-{topk} written to {out}"))
     return rows
 
 

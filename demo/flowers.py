@@ -155,13 +155,19 @@ def _background(rng, w, h):
 def _render(class_index, index, seed, min_size, max_size):
     """Image ``index`` of class ``class_index``, as a PIL RGB image."""
     rng = np.random.default_rng([seed, class_index, index])
-    flower = (_daisy, _dandelion, _rose, _sunflower, _tulip)[class_index]
     w, h = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
     img = _background(rng, w, h).resize((w * SS, h * SS), Image.NEAREST)
     draw, count = ImageDraw.Draw(img), int(rng.choice(5, p=[0.45, 0.25, 0.15, 0.1, 0.05])) + 1
     heads = [(rng.uniform(0.12, 0.88) * w, rng.uniform(0.12, 0.88) * h,
               min(w, h) * rng.uniform(0.28, 0.46) * count ** -0.4) for _ in range(count)]
-    for x, y, r in sorted(heads, key=lambda head: head[1]):  # lower in the frame = nearer = drawn on top
+    _draw_heads(rng, draw, class_index, sorted(heads, key=lambda head: head[1]), h)
+    return _camera(rng, img.reduce(SS), w, h)
+
+
+def _draw_heads(rng, draw, class_index, heads, h):
+    """Flowers of class ``class_index`` at heads (x, y, radius), in that order, on a supersampled canvas."""
+    flower = (_daisy, _dandelion, _rose, _sunflower, _tulip)[class_index]
+    for x, y, r in heads:  # lower in the frame = nearer = drawn on top
         if class_index != 4 and rng.uniform() < 0.5:  # tulips draw their own stem
             draw.line([(x * SS, y * SS), ((x + rng.uniform(-0.4, 0.4) * r) * SS, h * SS)], width=round(r * 0.1 * SS),
                       fill=_colour(rng, (85, 125), (0.5, 0.8), (0.35, 0.6)))
@@ -175,7 +181,10 @@ def _render(class_index, index, seed, min_size, max_size):
 
         flower(rng, lambda xy, fill, outline=None: draw.polygon(canvas(*xy), fill, outline),
                lambda xs, ys, fill, width: draw.line(canvas(xs, ys), fill, round(width * SS) or 1), r)
-    img = img.reduce(SS)  # the "camera": exposure and white balance, then sensor grain
+
+
+def _camera(rng, img, w, h):
+    """The "camera" over a drawn scene: exposure and white balance, then sensor grain."""
     gain = rng.uniform(0.85, 1.15) * (1 + rng.normal(0, 0.04, 3))
     img = img.point(np.clip(np.arange(256) * gain[:, None] + rng.uniform(-10, 10), 0, 255).astype(int).ravel())
     amp = int(rng.integers(8, 25))
@@ -191,16 +200,26 @@ def generate(root, images_per_class=100, seed=0, min_size=240, max_size=500):
         raise ValueError(f"images_per_class must be an int >= 1 or a dict of one per class, got {images_per_class!r}")
     if not 16 <= min_size <= max_size:
         raise ValueError(f"need 16 <= min_size <= max_size, got {min_size} and {max_size}")
-    params, root = dict(images_per_class=counts, seed=seed, min_size=min_size, max_size=max_size), Path(root)
+    def write(tmp):
+        for c, name in enumerate(CLASS_NAMES):
+            (tmp / name).mkdir(parents=True)
+            for i in range(counts[name]):
+                _render(c, i, seed, min_size, max_size).save(tmp / name / f"{name}_{i:04d}.jpg", quality=90)
+
+    return write_set(root, dict(images_per_class=counts, seed=seed, min_size=min_size, max_size=max_size), write)
+
+
+def write_set(root, params, write):
+    """``write(folder)`` fills a hidden folder beside ``root``, which then gets the marker (``params`` as JSON)
+    and is renamed to ``root`` (absent or an empty folder, else FileExistsError); returns ``root`` as a Path."""
+    root = Path(root)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise FileExistsError(f"'{root}' is not empty and holds no {MARKER}: not a demo set, not writing into it")
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"  # same file system: atomic rename
     try:
-        for c, name in enumerate(CLASS_NAMES):
-            (tmp / name).mkdir(parents=True)
-            for i in range(counts[name]):
-                _render(c, i, seed, min_size, max_size).save(tmp / name / f"{name}_{i:04d}.jpg", quality=90)
+        tmp.mkdir()
+        write(tmp)
         (tmp / MARKER).write_text(json.dumps(params))
         try:
             os.rename(tmp, root)  # on POSIX this also replaces an empty folder

@@ -14,7 +14,8 @@ these), and per rank the random states (Python, NumPy, torch CPU and CUDA)
 plus, for a checkpoint written mid-epoch, the steps already done in that epoch
 and their loss sums, so a resumed run ends bit-for-bit where an uninterrupted
 one would. With train.ema_decay it also holds the EMA of the weights ("ema"),
-and "best_weights" says which of the two scored best_acc.
+and "best_weights" says which of the two scored best_acc. A multi-label run's checkpoints say so
+("multilabel") and hold each label's threshold ("thresholds"), which predict.py and export.py use.
 
 A save goes to a temporary file in the same directory, is fsynced and renamed
 over the old one, so a process killed mid-write leaves the previous checkpoint
@@ -132,18 +133,35 @@ class RunState:
     and a resume restores (restore)."""
     epoch: int = 0                      # epochs finished: the next one to train
     global_step: int = 0                # optimizer steps taken
-    best_acc: float = -1.0
+    best_acc: float = -1.0              # the best val_acc, or multi-label the best val_map
     best_weights: str = "model"         # which weights scored best_acc: "model", or "ema" (train.ema_decay)
+    multilabel: bool = False            # the data's task: sigmoid outputs, one threshold per label
+    thresholds: Optional[list] = None   # multi-label: each label's threshold, of the last evaluation
     resume_at: Optional[dict] = None    # not saved: a mid-epoch checkpoint's point in its epoch (resume_point)
 
     def saved(self):
         return {"epoch": self.epoch, "global_step": self.global_step, "best_acc": self.best_acc,
-                "best_weights": self.best_weights}
+                "best_weights": self.best_weights, "multilabel": self.multilabel,
+                **({"thresholds": self.thresholds} if self.multilabel else {})}
 
     @classmethod
     def of(cls, state):
-        """A checkpoint's run state (best_weights "model" in one written before the EMA existed)."""
-        return cls(state["epoch"], state["global_step"], state["best_acc"], state.get("best_weights", "model"))
+        """A checkpoint's run state (best_weights "model" in one written before the EMA existed; single-label
+        in one written before multi-label)."""
+        return cls(state["epoch"], state["global_step"], state["best_acc"], state.get("best_weights", "model"),
+                   bool(state.get("multilabel", False)), state.get("thresholds"))
+
+
+def label_task(state):
+    """(multilabel, thresholds or None) of a checkpoint: how its outputs are read (predict, export, eval).
+    A multi-label checkpoint written before its first evaluation has its config's eval.threshold for each label."""
+    if not state.get("multilabel", False):
+        return False, None
+    thresholds = state.get("thresholds")
+    if thresholds is None:
+        threshold = float(((state.get("config") or {}).get("eval") or {}).get("threshold", 0.5))
+        thresholds = [threshold] * len(state.get("classes") or [])
+    return True, list(thresholds)
 
 
 def make_state(model, optimizer, scheduler, scaler, run_state, config, classes, ranks=None, epoch_step=0,

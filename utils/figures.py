@@ -1,4 +1,6 @@
 """The run's pictures: confusion matrix and image grids (samples, worst mistakes), and one chart.
+Multi-label runs get a per-label F1 bar picture instead of the confusion matrix, and a precision-recall
+curve per label (TensorBoard's own PR curves).
 
 The drawing functions return an RGB uint8 array (H, W, 3); RunLogger hands it to TensorBoard
 (add_image) and eval-only runs save it as a PNG (save_png). Only rank 0 draws: sample_picture and
@@ -105,6 +107,25 @@ def confusion_matrix_image(confusion, classes):
     return np.asarray(img).copy()
 
 
+def f1_bars_image(f1, classes, title="per-label F1 at the thresholds"):
+    """One horizontal bar per label, its length the label's F1 in [0, 1], the value written beside it."""
+    from PIL import Image, ImageDraw
+    n = len(classes)
+    row, bar = 18, 300
+    left = max([_size(str(c), _font(11))[0] for c in classes] + [40]) + 12
+    top = 30
+    img = Image.new("RGB", (left + bar + 60, top + n * row + 10), "white")
+    draw = ImageDraw.Draw(img)
+    _text(draw, (img.width // 2, top // 2), title + (f", macro {float(np.mean(f1)):.3f}" if n else ""), 12)
+    for i, (name, value) in enumerate(zip(classes, f1)):
+        y = top + i * row
+        colour = tuple(int(c) for c in _blues(0.35 + 0.65 * value))
+        draw.rectangle((left, y + 2, left + max(1, round(bar * value)), y + row - 3), fill=colour)
+        _text(draw, (left - 6, y + row // 2), str(name), 11, anchor="rm")
+        _text(draw, (left + round(bar * value) + 6, y + row // 2), f"{value:.2f}", 10, anchor="lm")
+    return np.asarray(img).copy()
+
+
 def image_grid(images, titles, colours=None, title=None, cols=None, cell=112):
     """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`), in one mosaic."""
     from PIL import Image, ImageDraw
@@ -172,26 +193,45 @@ def sample_picture(logger, images, labels, classes, dataset, global_step):
         return
     n = min(16, len(images))
     shown = denormalize(images[:n], *mean_std(dataset))
-    names = [classes[i] for i in labels[:n].tolist()]
+    if labels.ndim == 2:  # multi-hot: the image's label set
+        names = [";".join(classes[c] for c in row.nonzero().flatten().tolist()) for row in labels[:n]]
+    else:
+        names = [classes[i] for i in labels[:n].tolist()]
     logger.image("train/augmented_samples", image_grid(shown, names, title="augmented training samples", cols=8),
                  global_step)
 
 
 def worst_picture(worst, classes, dataset):
-    """The worst mistakes as an image grid: each with true class, predicted class and probability."""
+    """The worst mistakes as an image grid: each with true class, predicted class and probability;
+    multi-label: the true label set over the predicted one, and the image's loss."""
     mean, std = mean_std(dataset)
     shown = denormalize(torch.stack([dataset[w["index"]][0] for w in worst]), mean, std) if worst else []
-    titles = [f"{classes[w['label']]} -> {classes[w['pred']]}\n{w['prob']:.0%}" for w in worst]
-    return image_grid(shown, titles, colours=["firebrick"] * len(worst),
-                      title="worst mistakes (true -> predicted, probability)", cols=min(8, max(len(worst), 1)))
+    if worst and "labels" in worst[0]:
+        def names(ids):
+            return ";".join(classes[c] for c in ids) or "(none)"
+        titles = [f"{names(w['labels'])}\n-> {names(w['preds'])}  {w['loss']:.2f}" for w in worst]
+        title = "worst mistakes (true labels -> predicted labels, loss)"
+    else:
+        titles = [f"{classes[w['label']]} -> {classes[w['pred']]}\n{w['prob']:.0%}" for w in worst]
+        title = "worst mistakes (true -> predicted, probability)"
+    return image_grid(shown, titles, colours=["firebrick"] * len(worst), title=title,
+                      cols=min(8, max(len(worst), 1)))
 
 
-def epoch_pictures(logger, val, worst, classes, dataset, global_step):
-    """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took."""
+def epoch_pictures(logger, val, worst, classes, dataset, global_step, pr=None):
+    """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took.
+    Multi-label (`pr`: every image's probabilities and 0/1 targets): the per-label F1 bars and a
+    precision-recall curve per label instead of the confusion matrix."""
     if not logger.enabled:
         return 0.0
     start = time.perf_counter()
-    logger.image("val/confusion_matrix", confusion_matrix_image(val["val_confusion"], classes), global_step)
+    if pr is not None:
+        logger.image("val/per_label_f1", f1_bars_image(val["val_f1"], classes), global_step)
+        probs, targets = pr
+        for c, name in enumerate(classes):
+            logger.pr_curve(f"val_pr/{name}", targets[:, c], probs[:, c], global_step)
+    else:
+        logger.image("val/confusion_matrix", confusion_matrix_image(val["val_confusion"], classes), global_step)
     if worst is not None:  # train.worst_images > 0; also when there was no mistake
         logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), global_step)
     return round(time.perf_counter() - start, 4)

@@ -120,9 +120,10 @@ class RunLogger:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(scalar_tag(key), value, global_step)
             elif isinstance(value, list) and len(value) == len(classes) and all(
-                    isinstance(v, (int, float)) for v in value):  # per class; the confusion matrix is a figure
+                    v is None or isinstance(v, (int, float)) for v in value):  # per class; the confusion matrix is a figure
                 for name, v in zip(classes, value):
-                    self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, global_step)
+                    if v is not None:  # e.g. the AP of a label without a positive
+                        self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, global_step)
         self.writer.flush()
 
     def image(self, tag, image, global_step):
@@ -139,6 +140,11 @@ class RunLogger:
         value = Summary.Value(tag=tag, image=Summary.Image(height=height, width=width, colorspace=channels,
                                                            encoded_image_string=png.getvalue()))
         self.writer._get_file_writer().add_summary(Summary(value=[value]), global_step)
+
+    def pr_curve(self, tag, labels, probabilities, global_step):
+        """A precision-recall curve (TensorBoard's PR curves tab) of one label's 0/1 targets and probabilities."""
+        if self.enabled:
+            self.writer.add_pr_curve(tag, labels.int().numpy(), probabilities.float().numpy(), global_step)
 
     def hparams(self, config, metric_tags):
         """The flattened config in TensorBoard's HParams tab, beside the last value of `metric_tags`."""
@@ -178,7 +184,7 @@ class RunLogger:
 
 
 # metrics.jsonl key -> TensorBoard tag: "val_acc" -> "val/acc"; the rest by name.
-_TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s", "best_acc": "val/best_acc",
+_TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s", "best_acc": "val/best_acc", "best_map": "val/best_map",
          "bad_images": "data/bad_images"}
 
 
