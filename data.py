@@ -49,7 +49,7 @@ from utils.decoding import MODES, BadImage, DraftRandomResizedCrop, DraftResize,
 from utils.distributed_utils import broadcast_object, gather_objects, get_rank, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
-from utils.label_file import read_label_file
+from utils.label_file import read_label_file, seeded_split
 from utils.loader import PREFETCH_FACTOR, PersistentLoader, collate, reseed_worker
 from utils.normalization import IMAGENET_MEAN, IMAGENET_STD, imagenet_stats, normalize  # noqa: F401 (data.IMAGENET_*)
 from utils.sample_list import BadStatus, SampleList, verify_images
@@ -159,51 +159,13 @@ def _label_file_split(root, labels, val_rate, split_seed, task):
         if not len(split.val):
             raise UserError(f"data.labels '{labels}' has a split column but no 'val' row; mark some rows val")
     else:
-        train, val = _seeded_split(samples, classes, val_rate, split_seed)
+        train, val = seeded_split(samples, classes, split_seed,
+                                  lambda name, n: _val_count(name, n, val_rate))
         split.train, split.val = samples.take(train), samples.take(val)
     if not len(split.train):
         raise UserError(f"data.labels '{labels}' has no training rows")
     _warn_unseen_labels(split, labels)
     return split
-
-
-def _seeded_split(samples, classes, val_rate, split_seed):
-    """(train rows, val rows) of a label file without a split column, as split_dataset splits folders: per
-    class, rows in path order, one seeded generator over the classes in order."""
-    if samples.multilabel:
-        counts = np.bincount(samples.label_values, minlength=len(classes))
-        # Each row's rarest label: the smallest (row count, class index) among its labels.
-        score = counts[samples.label_values] * len(classes) + samples.label_values
-        rows = np.repeat(np.arange(len(samples)), np.diff(samples.label_offsets))
-        best = np.full(len(samples), np.iinfo(np.int64).max)
-        np.minimum.at(best, rows, score)
-        key = best % len(classes)
-    else:
-        key = samples.labels
-    by_path = np.argsort(_path_bytes(samples), kind="stable")
-    order = by_path[np.argsort(key[by_path], kind="stable")]
-    bounds = np.searchsorted(key[order], np.arange(len(classes) + 1))
-    gen = torch.Generator().manual_seed(split_seed)
-    train, val = [], []
-    for label, name in enumerate(classes):
-        rows = order[bounds[label]:bounds[label + 1]]
-        if not len(rows):
-            continue  # a label only ever second to a rarer one
-        perm = torch.randperm(len(rows), generator=gen).numpy()
-        n_val = _val_count(name, len(rows), val_rate)
-        val.append(rows[perm[:n_val]])
-        train.append(rows[perm[n_val:]])
-    return np.concatenate(train), np.concatenate(val)
-
-
-def _path_bytes(samples):
-    """Every path as a fixed-width bytes array: sorts as the strings do, without a str per row."""
-    lengths = np.diff(samples.offsets)
-    width = max(int(lengths.max()), 1)
-    grid = np.zeros((len(samples), width), dtype=np.uint8)
-    mask = np.arange(width) < lengths[:, None]
-    grid[mask] = samples.paths
-    return grid.view(f"S{width}").ravel()
 
 
 def _warn_unseen_labels(split, labels):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from utils.errors import UserError
 from utils.sample_list import SampleList
@@ -188,3 +189,43 @@ def _missing(paths):
         if name not in names:
             missing.append(i)
     return missing
+
+
+def seeded_split(samples, classes, split_seed, val_count):
+    """(train rows, val rows) of a label file without a split column, as data.split_dataset splits folders:
+    per class, rows in path order, one seeded generator over the classes in order; val_count(name, n)
+    says how many of a class's n rows go to validation."""
+    if samples.multilabel:
+        counts = np.bincount(samples.label_values, minlength=len(classes))
+        # Each row's rarest label: the smallest (row count, class index) among its labels.
+        score = counts[samples.label_values] * len(classes) + samples.label_values
+        rows = np.repeat(np.arange(len(samples)), np.diff(samples.label_offsets))
+        best = np.full(len(samples), np.iinfo(np.int64).max)
+        np.minimum.at(best, rows, score)
+        key = best % len(classes)
+    else:
+        key = samples.labels
+    by_path = np.argsort(_path_bytes(samples), kind="stable")
+    order = by_path[np.argsort(key[by_path], kind="stable")]
+    bounds = np.searchsorted(key[order], np.arange(len(classes) + 1))
+    gen = torch.Generator().manual_seed(split_seed)
+    train, val = [], []
+    for label, name in enumerate(classes):
+        rows = order[bounds[label]:bounds[label + 1]]
+        if not len(rows):
+            continue  # a label only ever second to a rarer one
+        perm = torch.randperm(len(rows), generator=gen).numpy()
+        n_val = val_count(name, len(rows))
+        val.append(rows[perm[:n_val]])
+        train.append(rows[perm[n_val:]])
+    return np.concatenate(train), np.concatenate(val)
+
+
+def _path_bytes(samples):
+    """Every path as a fixed-width bytes array: sorts as the strings do, without a str per row."""
+    lengths = np.diff(samples.offsets)
+    width = max(int(lengths.max()), 1)
+    grid = np.zeros((len(samples), width), dtype=np.uint8)
+    mask = np.arange(width) < lengths[:, None]
+    grid[mask] = samples.paths
+    return grid.view(f"S{width}").ravel()
