@@ -2,8 +2,8 @@
 
     python -m pytest tests/test_multilabel.py -q
 
-The metrics are checked on fixed logits against a plain numpy implementation written here (and
-scikit-learn's where it is installed). The loop's behaviour is checked through the entry scripts:
+The metrics are checked on fixed logits against a plain numpy implementation written here and
+against scikit-learn's. The loop's behaviour is checked through the entry scripts:
 train.py on a tiny label file (predict.py, --eval-only's eval.json, export.py after it), torchrun
 with 2 and 3 processes evaluating the same checkpoint, and a run stopped mid-epoch and resumed.
 """
@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+import sklearn.metrics as skm
 import torch
 
 from engine import Criterion, average_precision, best_f1_thresholds, multilabel_report, pos_weights
@@ -78,18 +79,24 @@ def test_metrics_equal_a_numpy_reference():
     assert report["val_positives"] == truth.sum(0).tolist() and report["val_count"] == 60
 
 
+def assert_report_matches_sklearn(report, probs, truth, thresholds, tol=1e-12):
+    """The report against scikit-learn's metrics on the same scores (labels without a positive have no AP)."""
+    y, p = truth.numpy().astype(int), probs.numpy()
+    pred = (p >= np.asarray(thresholds)[None, :]).astype(int)
+    has = y.any(0)
+    ap = skm.average_precision_score(y[:, has], p[:, has], average=None)
+    assert [a for a in report["val_ap"] if a is not None] == pytest.approx(ap, abs=tol)
+    assert report["val_map"] == pytest.approx(ap.mean(), abs=tol)
+    for name, score in (("precision", skm.precision_score), ("recall", skm.recall_score), ("f1", skm.f1_score)):
+        assert report[f"val_{name}"] == pytest.approx(score(y, pred, average=None, zero_division=0), abs=tol), name
+    assert report["val_macro_f1"] == pytest.approx(skm.f1_score(y, pred, average="macro", zero_division=0), abs=tol)
+    assert report["val_micro_f1"] == pytest.approx(skm.f1_score(y, pred, average="micro", zero_division=0), abs=tol)
+    assert report["val_exact_match"] == pytest.approx(skm.accuracy_score(y, pred), abs=tol)
+
+
 def test_metrics_equal_scikit_learns():
-    sklearn = pytest.importorskip("sklearn.metrics", reason="scikit-learn is not installed (not in requirements.txt); "
-                                  "test_metrics_equal_a_numpy_reference checks the same numbers")
     probs, truth = fixed_scores()
-    report = multilabel_report(probs, truth, THRESHOLDS)
-    y, p, pred = truth.numpy().astype(int), probs.numpy(), (probs >= THRESHOLDS).numpy().astype(int)
-    assert report["val_ap"][:4] == pytest.approx(sklearn.average_precision_score(y[:, :4], p[:, :4], average=None))
-    assert report["val_map"] == pytest.approx(sklearn.average_precision_score(y[:, :4], p[:, :4], average="macro"))
-    assert report["val_f1"] == pytest.approx(sklearn.f1_score(y, pred, average=None, zero_division=0))
-    assert report["val_macro_f1"] == pytest.approx(sklearn.f1_score(y, pred, average="macro", zero_division=0))
-    assert report["val_micro_f1"] == pytest.approx(sklearn.f1_score(y, pred, average="micro", zero_division=0))
-    assert report["val_exact_match"] == pytest.approx(sklearn.accuracy_score(y, pred))
+    assert_report_matches_sklearn(multilabel_report(probs, truth, THRESHOLDS), probs, truth, THRESHOLDS)
 
 
 def test_tuned_thresholds_give_each_label_its_best_f1():
@@ -355,11 +362,12 @@ def val_scores(trained, meadows):
     return probs, torch.stack([val_set[i][1] for i in range(len(val_set))]).bool()
 
 
-def test_the_one_process_metrics_equal_the_reference_on_the_same_scores(one_process_eval, val_scores):
+def test_the_one_process_metrics_equal_the_reference_and_scikit_learns_on_the_same_scores(one_process_eval, val_scores):
     got, _ = one_process_eval
     probs, truth = val_scores
     ref = reference_metrics(probs.numpy(), truth.numpy(), np.array(got["val_threshold"]))
     assert_report_matches(got, ref, tol=1e-6)
+    assert_report_matches_sklearn(got, probs, truth, got["val_threshold"], tol=1e-6)
     for c in range(5):  # the tuned thresholds: each label's best F1 over every cut of its scores
         s, y = probs[:, c].numpy(), truth[:, c].numpy()
         if y.any():
