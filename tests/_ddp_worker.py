@@ -1,6 +1,7 @@
 """Worker for tests/test_parallel_semantics.py: one launch checks several parallel properties.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/_ddp_worker.py OUT IMAGE_ROOT
+    python -m torch.distributed.run --nproc_per_node=3 tests/_ddp_worker.py OUT IMAGE_ROOT --also-world 2 PORT
     python -m torch.distributed.run --nproc_per_node=2 tests/_ddp_worker.py OUT IMAGE_ROOT --syncbn-gpu
 
 Every rank runs the project's own code (init_distributed_mode, split_dataset,
@@ -212,25 +213,55 @@ def syncbn_gpu(dist_info):
             "resnet34_plain_bn": sum(type(m) is nn.BatchNorm2d for m in resnet.modules())}
 
 
+def report(dist_info, out, image_root):
+    return {
+        "rank": dist_info.rank, "world_size": dist_info.world_size,
+        "split": split_and_shards(dist_info, image_root),
+        "eval": eval_fixed(dist_info, image_root),
+        "fit": fit_tiny(dist_info, out / "fit", PER_RANK_BATCH, TRAIN_LR),
+        "accum": fit_accumulated(dist_info, out),
+        "buffers": buffer_sync(dist_info),
+    }
+
+
+def join_fewer(world, port):
+    """Ranks below `world` of this launch form a group of `world` through the project's own
+    init_distributed_mode, as if torchrun had started `world` processes: its variables say so, and
+    rank 0 serves the group's store on `port` (torchrun's store stays the first group's). The others
+    leave. One launch then serves two world sizes: each process's torch start-up is what costs."""
+    rank = int(os.environ["RANK"])
+    if rank >= world:
+        return None
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    return init_distributed_mode("cpu", timeout_minutes=1)
+
+
 def main(argv):
     out, image_root = Path(argv[0]), argv[1]
+    # --also-world W PORT: after the launch's own world, its first W ranks run every check again as
+    # a group of W (its store on PORT), reporting under OUT/world<W>/.
+    also = [int(a) for a in argv[argv.index("--also-world") + 1:][:2]] if "--also-world" in argv else None
     # A short timeout turns a collective that only some ranks reach into a failure, not a hang.
     dist_info = init_distributed_mode("cpu", timeout_minutes=1)
     try:
         if "--syncbn-gpu" in argv:
-            report = syncbn_gpu(dist_info)
+            result = syncbn_gpu(dist_info)
         else:
-            report = {
-                "rank": dist_info.rank, "world_size": dist_info.world_size,
-                "split": split_and_shards(dist_info, image_root),
-                "eval": eval_fixed(dist_info, image_root),
-                "fit": fit_tiny(dist_info, out / "fit", PER_RANK_BATCH, TRAIN_LR),
-                "accum": fit_accumulated(dist_info, out),
-                "buffers": buffer_sync(dist_info),
-            }
+            result = report(dist_info, out, image_root)
     finally:
         cleanup()
-    (out / f"rank{dist_info.rank}.json").write_text(json.dumps(report))
+    (out / f"rank{dist_info.rank}.json").write_text(json.dumps(result))
+    if also:
+        dist_info = join_fewer(*also)
+        if dist_info is not None:
+            smaller = out / f"world{also[0]}"
+            smaller.mkdir(exist_ok=True)
+            try:
+                result = report(dist_info, smaller, image_root)
+            finally:
+                cleanup()
+            (smaller / f"rank{dist_info.rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

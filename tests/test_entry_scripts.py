@@ -26,7 +26,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from _resume_utils import run_main
+from _resume_utils import one_thread, run_main  # noqa: F401 (a fixture)
 from conftest import FAST_ARGS, make_image_folder, run_entry
 from model import create_model
 from utils.config import load_config
@@ -248,17 +248,20 @@ def test_ddp_syncbn_on_cpu_warns_once_and_continues(runs):
 
 # --------------------------------------------------------------------------- non-ASCII class names
 
-def test_chinese_class_names_train_resume_and_stay_readable(tmp_path):
+def test_chinese_class_names_train_resume_and_stay_readable(tmp_path, monkeypatch, capsys, one_thread):
     """Class folders named 玫瑰, 郁金香, 雏菊 (and files named after them): train.py trains, logs to
     TensorBoard, checkpoints the names, resumes with --resume auto, predict.py names them, and
-    class_indices.json holds the characters themselves (UTF-8), not \\uXXXX escapes a person cannot read."""
+    class_indices.json holds the characters themselves (UTF-8), not \\uXXXX escapes a person cannot read.
+    The three runs call the scripts' main() in this process: what is checked is what they write and print."""
+    import predict
+    import train
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     names = ("玫瑰", "郁金香", "雏菊")
     data = make_image_folder(tmp_path / "花", classes=names)
     out = tmp_path / "运行"
-    args = [*FAST_ARGS, "--data-path", data, "--output-dir", out]
-    first = run_entry("train.py", *args)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    args = [str(a) for a in (*FAST_ARGS, "--data-path", data, "--output-dir", out)]
+    code = run_main(train, args, monkeypatch)
+    assert code == 0, capsys.readouterr().err[-4000:]
 
     classes = sorted(names)  # the class index order: sorted folder names
     raw = (out / "class_indices.json").read_bytes().decode("utf-8")
@@ -271,19 +274,22 @@ def test_chinese_class_names_train_resume_and_stay_readable(tmp_path):
     state = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert state["classes"] == classes and state["epoch"] == 1
 
-    second = run_entry("train.py", *args, "--resume", "auto", "train.epochs=2")
-    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
-    assert "resumed from" in second.stdout + second.stderr
+    capsys.readouterr()
+    code = run_main(train, [*args, "--resume", "auto", "train.epochs=2"], monkeypatch)
+    second = capsys.readouterr()
+    assert code == 0, (second.out + second.err)[-4000:]
+    assert "resumed from" in second.out + second.err
     state = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert state["classes"] == classes and state["epoch"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]
 
     # predict.py names the classes as they are written, in its table and in its JSON.
-    pred = run_entry("predict.py", out / "checkpoints" / "last.pt", data / "雏菊", "--device", "cpu",
-                     "--out", out / "预测.json")
-    assert pred.returncode == 0, (pred.stdout + pred.stderr)[-4000:]
-    assert any(name in pred.stdout for name in names), pred.stdout
+    code = run_main(predict, [str(out / "checkpoints" / "last.pt"), str(data / "雏菊"), "--device", "cpu",
+                              "--out", str(out / "预测.json")], monkeypatch)
+    pred = capsys.readouterr()
+    assert code == 0, (pred.out + pred.err)[-4000:]
+    assert any(name in pred.out for name in names), pred.out
     raw = (out / "预测.json").read_bytes().decode("utf-8")
     assert "\\u" not in raw and len(json.loads(raw)) == 6
     assert {t["class"] for row in json.loads(raw) for t in row["top"]} == set(names)

@@ -16,6 +16,7 @@ import torch
 
 import data
 import train
+from _resume_utils import run_main
 from conftest import make_image_folder, run_entry
 from plain_transforms.sitecustomize import plain_transforms
 
@@ -26,11 +27,23 @@ KEYS = {"val_acc", "val_top5", "val_loss", "val_macro_f1", "val_precision", "val
         "val_per_class_acc", "val_count", "val_worst", "classes", "split", "checkpoint"}
 
 
-def evaluate_with(script, trained_run, out, nproc=None, *extra):
-    best = trained_run["run_dir"] / "checkpoints" / "best.pt"
-    proc = run_entry(script, *trained_run["base"], "--eval-only", "--resume", best, "--output-dir", out, *extra,
-                     nproc=nproc)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+def evaluate_with(script, trained_run, out, nproc=None, *extra, checkpoint=None):
+    """eval.json of --eval-only on `checkpoint` (best.pt): under torchrun with `nproc` processes, or
+    train.py's main() in this process (about the numbers only), with one thread as a subprocess has."""
+    args = [str(a) for a in (*trained_run["base"], "--eval-only", "--resume",
+                             checkpoint or trained_run["run_dir"] / "checkpoints" / "best.pt", "--output-dir", out, *extra)]
+    if nproc:
+        proc = run_entry(script, *args, nproc=nproc)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    else:
+        assert script == "train.py"
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as run_entry's OMP_NUM_THREADS=1: the logits round as in the trained run
+        try:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                assert run_main(train, args, monkeypatch) == 0
+        finally:
+            torch.set_num_threads(threads)
     return json.loads((out / "eval.json").read_text())
 
 
@@ -91,10 +104,7 @@ def test_eval_only_evaluates_the_weights_the_checkpoint_names(weights, trained_r
     row = json.loads((trained_run["run_dir"] / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["epoch"] == state["epoch"] == 3
     assert row["val_loss"] != pytest.approx(row["val_loss_ema"], rel=1e-4)  # the two can be told apart
-    proc = run_entry("train.py", *trained_run["base"], "--eval-only", "--resume", forced,
-                     "--output-dir", tmp_path / "out")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    got = json.loads((tmp_path / "out" / "eval.json").read_text())
+    got = evaluate_with("train.py", trained_run, tmp_path / "out", checkpoint=forced)
     suffix = "_ema" if weights == "ema" else ""
     assert got["checkpoint"] == str(forced) + (" (EMA weights)" if suffix else "")
     assert got["val_acc"] == row["val_acc" + suffix] and got["val_macro_f1"] == row["val_macro_f1" + suffix]

@@ -2,9 +2,9 @@
 
     python -m pytest tests/test_parallel_semantics.py -q
 
-One torchrun launch per world size (2 and 3) runs tests/_ddp_worker.py, which
-calls the project's own init, split, samplers, DDP wrapping, fit and evaluate
-and reports per rank; the same functions run here in one process for the
+One torchrun launch of 3 processes runs tests/_ddp_worker.py, which calls the
+project's own init, split, samplers, DDP wrapping, fit and evaluate and reports
+per rank, at world size 3 and again with ranks 0 and 1 joined as a group of 2; the same functions run here in one process for the
 reference. The entry scripts themselves run for the DP script on the CPU (no wrapper there:
 it must train exactly as train.py) and for a two-"node" torchrun launch on localhost. README section "How the parallelism
 works" names these tests.
@@ -112,17 +112,26 @@ def single_eval(image_root):
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
-def launch(request, image_root, tmp_path_factory):
-    """One torchrun launch of the worker with `world` gloo processes; the per-rank reports."""
-    world = request.param
-    out = tmp_path_factory.mktemp(f"ddp_world{world}")
+@pytest.fixture(scope="module")
+def launches(image_root, tmp_path_factory):
+    """One torchrun launch of the worker with 3 gloo processes; its ranks 0 and 1 then run every
+    check again as a group of 2 (the worker's --also-world): per world size, the per-rank reports."""
+    out = tmp_path_factory.mktemp("ddp_world3")
     [(rc, stdout, stderr)] = wait_all([spawn(TORCHRUN + [
-        f"--nproc_per_node={world}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        REPO / "tests" / "_ddp_worker.py", out, image_root])], timeout=240)
+        "--nproc_per_node=3", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        REPO / "tests" / "_ddp_worker.py", out, image_root, "--also-world", 2, free_port()])], timeout=400)
     assert rc == 0, f"worker launch failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return {"world": world, "out": out, "ranks": ranks}
+    return {world: {"world": world, "out": where,
+                    "ranks": [json.loads((where / f"rank{r}.json").read_text()) for r in range(world)]}
+            for world, where in ((3, out), (2, out / "world2"))}
+
+
+@pytest.fixture(params=[2, 3], ids=lambda w: f"world{w}")
+def launch(request, launches):
+    """The reports of one world size, each rank's from the group it ran in."""
+    reports = launches[request.param]
+    assert all(r["world_size"] == request.param for r in reports["ranks"])
+    return reports
 
 
 @pytest.mark.slow
