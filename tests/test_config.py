@@ -13,7 +13,7 @@ from omegaconf.errors import ReadonlyConfigError
 
 import utils.config as config
 from bad_files import call_main
-from conftest import REPO
+from conftest import REPO, run_entry
 from utils.config import Config, flatten, load_config
 from utils.errors import UserError
 
@@ -235,8 +235,14 @@ def test_a_key_without_a_default_is_named(tmp_path, monkeypatch):
         load_config([])
 
 
-# A config error under torchrun (train_multi_gpu_ddp.py --epochs abc), printed once however late rank 0
-# is: tests/test_bad_config.py::test_a_shared_error_is_printed_once_however_late_rank_0_is ("late").
+@pytest.mark.slow
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    # Every rank parses the same command line; the error is the same everywhere, so rank 0 alone says it.
+    r = run_entry("train_multi_gpu_ddp.py", "--device", "cpu", "--epochs", "abc", nproc=2, cwd=tmp_path)
+    assert r.returncode != 0
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: bad value for 'train.epochs' (set by --epochs abc): Value 'abc' of type 'str' "
+                      "could not be converted to Integer"], errors
 
 
 def test_a_bad_flag_value_names_the_flag_as_typed():
