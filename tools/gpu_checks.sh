@@ -642,7 +642,12 @@ if [ -n "$missing" ]; then
     fi
     export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+VERSIONS=$("$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())")
+echo "$VERSIONS"
+# One process per GPU, as a user would launch it; a CPU rehearsal takes 2 gloo processes. (Read from the
+# line above: one torch import less.)
+NPROC=${VERSIONS##* devices }
+case $NPROC in ''|*[!0-9]*|0) NPROC=2 ;; esac
 report
 
 Q= COMPILE=--compile
@@ -693,8 +698,6 @@ if [ -n "$DATA_PID" ]; then
     echo "== data: exit $rc in ${secs} s (beside the tests)"; tail -n 3 "$R/logs/data.log"
     report
 fi
-# One process per GPU, as a user would launch it; a CPU rehearsal takes 2 gloo processes.
-NPROC=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
 wanted ddp_check && step ddp_check "$L_DDP_CHECK" "$PY" -m torch.distributed.run --standalone \
     --nproc_per_node="$NPROC" tools/ddp_check.py
 wanted fsdp_memory && step fsdp_memory "$L_FSDP_MEMORY" "$PY" -m torch.distributed.run --standalone \
