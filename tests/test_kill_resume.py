@@ -143,6 +143,9 @@ def test_sigterm_stops_all_ranks_with_a_checkpoint_and_the_printed_command_resum
     assert rc == 0, log[-4000:]
     resumed = _resumed_lines(log)  # the printed command's first, then the kill -9 test's restart
     assert resumed and resumed[0].endswith(f"global step {state['global_step']})"), resumed
+    # ...and the printed command itself resumed: no error before it, as a refusal then a restart would print.
+    before = log[:log.index(resumed[0])].splitlines()
+    assert not [x for x in before if x.startswith("error:")], before[-20:]
     assert_same_run(straight, run["out"])
 
 
