@@ -279,7 +279,7 @@ def measure_ddp(args, device, amp_dtype, channels_last):
 def measure_bare(args):
     """(d) on CPU: a small model, the project's step vs the bare loop, same batches, same run."""
     cpu = torch.device("cpu")
-    img, batch, steps = (16, 4, 8) if args.quick else (32, 16, 20)
+    img, batch, steps = (16, 4, 2) if args.quick else (32, 16, 20)  # quick: the plumbing, not a measurement
     loader = Batches(synthetic(cpu, batch, img, False), steps)
     # One model and optimizer for both loops: two copies of the same model in different memory differ
     # by up to ~15% in one process, even when both run the bare loop; that, not the loop, dominated.

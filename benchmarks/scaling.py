@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py                               # every visible GPU, flower-sized folder
     python benchmarks/scaling.py --gpus 1,2,4,8 --modes single,dp,ddp --data data/flower_photos
-    python benchmarks/scaling.py --quick                       # CPU/CI: DDP over 1 and 2 gloo processes
+    python benchmarks/scaling.py --quick                       # CPU/CI: single, DDP over 2 gloo processes
 
 Each row is a real run of an entry script (train.py, train_multi_gpu_dp.py,
 torchrun train_multi_gpu_ddp.py) in its own process, read back from its
@@ -254,6 +254,8 @@ def main(argv=None):
                 continue
             if m == "dp" and not cuda:
                 continue  # DataParallel without GPUs runs exactly like single
+            if m == "ddp" and k == 1 and args.quick:
+                continue  # the CPU rehearsal: a 1-process DDP launch shows nothing the 2-process row does not
             plan.append((m, k))
     unit = "peak MiB per GPU (nvidia-smi)" if cuda else "peak RSS MiB (largest process)"
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,

@@ -228,24 +228,34 @@ cli.SHARED_ERROR_WAIT_S = {wait}
 
 @cli.cli_entry
 def main():
-    if os.environ["RANK"] == "0":
-        time.sleep({delay})  # rank 0 reaches the error its ranks share last (a loaded node)
     raise UserError("the same on every rank", every_rank=True)
-
+{real}
+if os.environ["RANK"] == "0":
+    time.sleep({delay})  # rank 0 reaches the error its ranks share last (a loaded node)
 main()
 """
+
+# The "late" case runs the real DDP script's main() on a bad --epochs: a config error, which every
+# rank parses alike, printed once under torchrun (as `torchrun train_multi_gpu_ddp.py --epochs abc`).
+REAL_DDP = """
+import train_multi_gpu_ddp
+main = lambda: train_multi_gpu_ddp.main(["--device", "cpu", "--epochs", "abc"])
+"""
+EPOCHS_ABC = ("error: bad value for 'train.epochs' (set by --epochs abc): Value 'abc' of type 'str' "
+              "could not be converted to Integer")
 
 
 @pytest.mark.slow
 def test_a_shared_error_is_printed_once_however_late_rank_0_is(tmp_path):
     """torchrun stops the group as soon as one worker exits: rank 1 must not exit before rank 0 has
-    printed the line they share. Rank 0 7 s late ("late"), and never there within rank 1's wait
-    ("hung": rank 1 then prints it). Both under torchrun, side by side."""
-    cases = {"late": (7, 60), "hung": (600, 1)}
+    printed the line they share. Rank 0 7 s late ("late": train_multi_gpu_ddp.py's own config error),
+    and never there within rank 1's wait ("hung": rank 1 then prints it). Both under torchrun, side by
+    side."""
+    cases = {"late": (7, 60, REAL_DDP, EPOCHS_ABC), "hung": (600, 1, "", "error: the same on every rank")}
     procs = {}
-    for name, (delay, wait) in cases.items():
+    for name, (delay, wait, real, _) in cases.items():
         script = tmp_path / f"{name}.py"
-        script.write_text(LATE_RANK_0.format(repo=str(REPO), delay=delay, wait=wait))
+        script.write_text(LATE_RANK_0.format(repo=str(REPO), delay=delay, wait=wait, real=real))
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
              f"--master_port={free_port()}", str(script)], cwd=tmp_path, text=True,
@@ -253,4 +263,4 @@ def test_a_shared_error_is_printed_once_however_late_rank_0_is(tmp_path):
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         errors = [line for line in (out + err).splitlines() if line.startswith("error:")]
-        assert proc.returncode != 0 and errors == ["error: the same on every rank"], (name, out + err)
+        assert proc.returncode != 0 and errors == [cases[name][3]], (name, out + err)

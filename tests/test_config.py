@@ -3,9 +3,8 @@ one-line errors from the real script, and configs/default.yaml against the schem
 
     python -m pytest tests/test_config.py -q
 """
+import os
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -13,6 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 import utils.config as config
+from bad_files import call_main
 from conftest import REPO, run_entry
 from utils.config import Config, flatten, load_config
 from utils.errors import UserError
@@ -145,16 +145,18 @@ def test_an_unknown_key_or_section_gets_the_nearest_name(argv, guess):
 
 @pytest.fixture(scope="module")
 def bad_cli_runs(tmp_path_factory):
-    """`python train.py --epochs abc` and `python train.py optim.lrr=1`, run side by side."""
+    """train.py's main() with `--epochs abc` and with `optim.lrr=1`, in this process from an empty cwd:
+    the exit code, the lines and what is left in the cwd are the point, not the process."""
+    import train
     cwd = tmp_path_factory.mktemp("bad_cli")
     cases = {"bad_type": ["--epochs", "abc"], "unknown_key": ["optim.lrr=1"]}
-    procs = {name: subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], cwd=cwd,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, argv in cases.items()}
-    out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
-        out[name] = (p.returncode, stdout, stderr)
+    out, before = {}, os.getcwd()
+    os.chdir(cwd)
+    try:
+        for name, argv in cases.items():
+            out[name] = call_main(train.main, argv)
+    finally:
+        os.chdir(before)
     out["cwd_after"] = sorted(x.name for x in cwd.iterdir())
     return out
 

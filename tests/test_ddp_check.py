@@ -74,8 +74,10 @@ def test_every_check_passes_on_two_gloo_processes():
 
 @pytest.mark.slow
 def test_too_small_shm_fails_with_the_fix_and_exit_1():
-    # 2 x 2 workers x 4 x 400,000 images x 12 KB (img_size 64, uint8) = 79 GB: more than any /dev/shm here.
-    rc, out, err = ddp_check("--config", "configs/demo.yaml", "data.num_workers=2", "train.batch_size=400000")
+    """One process under torchrun: the count of processes per node is checked at 2 by the test above."""
+    # 1 x 2 workers x 4 x 800,000 images x 12 KB (img_size 64, uint8) = 79 GB: more than any /dev/shm here.
+    rc, out, err = ddp_check("--config", "configs/demo.yaml", "data.num_workers=2", "train.batch_size=800000",
+                             nproc=1)
     v = verdicts(out)
     assert rc == 1, out + err[-3000:]
     tag, text = v["shm"]

@@ -4,7 +4,8 @@ old launcher's --local-rank.
     python -m pytest tests/test_ddp_errors.py -q
 
 The unused branch is a MODELS entry registered by tests/_unused_branch.py before the real
-train_multi_gpu_ddp.py runs under torchrun with 2 gloo processes.
+train_multi_gpu_ddp.py runs under torchrun with 2 gloo processes (refused); the run that trains with
+the key, and the --local-rank run, call main() in this process, as a process group of one.
 """
 import json
 import os
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST_ARGS, REPO, free_port, run_entry
+import model
+import train_multi_gpu_ddp
+from _resume_utils import one_thread, run_main  # noqa: F401
+from conftest import FAST_ARGS, REPO, free_port
 from utils.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -65,23 +69,35 @@ def processes_naming(text):
     return found
 
 
-def test_an_unused_branch_stops_in_one_line_naming_the_key_and_trains_with_it(image_root, tmp_path):
+def test_an_unused_branch_stops_in_one_line_naming_the_key_and_trains_with_it(image_root, tmp_path, monkeypatch,
+                                                                            capsys, one_thread):
+    """Refused under torchrun with 2 processes (one line, from rank 0). The run with the key is one
+    process in this one, DDP-wrapped all the same: a group of one refuses the branch just as 2 ranks
+    do (without the key, DDP's reducer stops at the second step whatever the world size), so the key
+    reaching DDP is what this run proves; the rank count is the refused half's point."""
+    from _unused_branch import UnusedBranch
     r = ddp_unused_branch(image_root, tmp_path / "refused")
     errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1, (r.stdout + r.stderr)[-3000:]
     assert "ddp.find_unused_parameters=true" in errors[0] and "(aux.weight, aux.bias)" in errors[0], errors
     assert "Expected to have finished reduction" not in r.stdout + r.stderr  # torch's page-long message
-    r = ddp_unused_branch(image_root, tmp_path / "trained", "ddp.find_unused_parameters=true")
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    monkeypatch.setitem(model.MODELS, "unused_branch", UnusedBranch)  # as tests/_unused_branch.py does
+    code = run_main(train_multi_gpu_ddp, [*FAST_ARGS, "model.name=unused_branch", "--data-path", str(image_root),
+                                          "--output-dir", str(tmp_path / "trained"), "ddp.find_unused_parameters=true"],
+                    monkeypatch)
+    assert code == 0, capsys.readouterr().err[-3000:]
     assert (tmp_path / "trained" / "checkpoints" / "last.pt").is_file()
 
 
-def test_the_old_launchers_local_rank_trains_with_a_note(image_root, tmp_path):
-    """--local-rank=0 end to end; the --local_rank spelling is parsed below."""
-    r = run_entry("train_multi_gpu_ddp.py", "--local-rank=0", *FAST_ARGS, "--data-path", image_root,
-                  "--output-dir", tmp_path / "run")
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert r.stdout.count("note: --local-rank is torch.distributed.launch's; torchrun is the launcher to use") == 1
+def test_the_old_launchers_local_rank_trains_with_a_note(image_root, tmp_path, monkeypatch, capsys, one_thread):
+    """--local-rank=0 end to end, in this process; the --local_rank spelling is parsed below."""
+    monkeypatch.setenv("LOCAL_RANK", "unset")  # recorded, so that the LOCAL_RANK the flag sets goes at teardown
+    monkeypatch.delenv("LOCAL_RANK")
+    code = run_main(train_multi_gpu_ddp, ["--local-rank=0", *FAST_ARGS, "--data-path", str(image_root),
+                                          "--output-dir", str(tmp_path / "run")], monkeypatch)
+    out, err = capsys.readouterr()
+    assert code == 0, (out + err)[-3000:]
+    assert out.count("note: --local-rank is torch.distributed.launch's; torchrun is the launcher to use") == 1
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
 
 

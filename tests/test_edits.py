@@ -18,6 +18,7 @@ import ast
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -113,7 +114,7 @@ EDITS = {
     "config_key": CONFIG_KEY,
 }
 
-# The tests of what each edit touches, run in the edited copy (a fresh process: the edited modules).
+# The tests of what each edit touches, run in the edited copy (its process: the edited modules).
 TOUCHED = {
     "augmentation": ["tests/test_data.py", "tests/test_gpu_pipeline.py", "-k", "transform"],
     "focal_loss": ["tests/test_engine.py", "-k", "hand or nan",
@@ -143,16 +144,48 @@ def apply(root, edits):
         (root / path).write_text(edited)
 
 
-def run(root, *args, timeout=600):
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=root, capture_output=True, text=True,
+MARK = "@@edits-call-exit "
+# Several command lines of one test in one Python process of the edited copy, one after another:
+# each process spends seconds importing torch before it does anything. A call is what follows
+# `python`: a script and its arguments, "-c" and code, or "-m" and a module (pytest: put it last,
+# after the runs, so nothing it leaves in the process reaches them).
+DRIVER = """
+import json, runpy, sys
+for call in json.loads(sys.argv[1]):
+    sys.argv = [call[1] if call[0] == "-m" else call[0], *call[2 if call[0] == "-m" else 1:]]
+    try:
+        if call[0] == "-c":
+            exec(compile(call[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif call[0] == "-m":
+            runpy.run_module(call[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(call[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    sys.stdout.flush(); sys.stderr.flush()
+    print("\\n" + MARK + str(code), flush=True)
+""".replace("MARK", repr(MARK))
+
+
+def run_calls(root, *calls, timeout=600):
+    """Each call's (exit code, stdout and stderr as they came), run in one process by DRIVER."""
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([list(map(str, c)) for c in calls])],
+                          cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout, env={**os.environ, **ENV})
-    return proc.returncode, proc.stdout + proc.stderr
+    pieces = re.split("\n" + re.escape(MARK) + r"(-?\d+)\n", proc.stdout)  # out, code, out, code, ..., ""
+    assert proc.returncode == 0 and len(pieces) == 2 * len(calls) + 1, proc.stdout[-4000:]
+    return [(int(code), out) for out, code in zip(pieces[0::2], pieces[1::2])]
 
 
-def touched_tests_pass(root, name):
-    rc, out = run(root, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *TOUCHED[name])
+def touched_tests(name):
+    return ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *TOUCHED[name])
+
+
+def assert_passed(result):
+    rc, out = result
     assert rc == 0, out[-4000:]
-    assert " passed" in out.splitlines()[-1], out[-2000:]
+    assert " passed" in out.strip().splitlines()[-1], out[-2000:]
 
 
 @pytest.fixture
@@ -184,59 +217,61 @@ def test_each_edit_finds_its_place_and_leaves_valid_code(tmp_path):
 @pytest.mark.parametrize("edited", ["augmentation"], indirect=True)
 def test_an_added_augmentation_trains_on_the_pil_path_and_the_gpu_pipeline_says_why_not(edited, tmp_path):
     root, images = edited
-    touched_tests_pass(root, "augmentation")
-    rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "auto",
-                  "data.pipeline=auto")
+    (rc, out), (gpu_rc, gpu_out), tests = run_calls(
+        root, ("train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "auto", "data.pipeline=auto"),
+        ("train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "gpu", "data.pipeline=gpu"),
+        touched_tests("augmentation"))
+    assert_passed(tests)
     assert rc == 0 and len(metrics(tmp_path / "auto")) == 1, out[-3000:]
     assert "gpu pipeline:" not in out  # auto on the CPU: the PIL loader, which applies the jitter
-    rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "gpu",
-                  "data.pipeline=gpu")
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert rc == 2 and len(errors) == 1 and "ColorJitter" in errors[0], out[-3000:]
+    errors = [line for line in gpu_out.splitlines() if line.startswith("error:")]
+    assert gpu_rc == 2 and len(errors) == 1 and "ColorJitter" in errors[0], gpu_out[-3000:]
     assert not (tmp_path / "gpu").exists()
 
 
 @pytest.mark.parametrize("edited", ["focal_loss"], indirect=True)
 def test_a_focal_loss_with_a_gamma_key_trains_and_the_loop_tests_and_the_nan_fault_still_hold(edited, tmp_path):
     root, images = edited
-    touched_tests_pass(root, "focal_loss")
     p = 1 / (1 + 2 * math.exp(-2))  # softmax probability of the true class of logits (2, 0, 0)
-    rc, out = run(root, "-c", "import torch, engine; from utils.config import load_config; "
-                              "x, y = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0]); "
-                              "print(engine.Criterion()(x, y).item(), "
-                              "engine.build_criterion(load_config(['optim.focal_gamma=0.5']).optim)(x, y).item())")
+    (rc, out), (train_rc, train_out), tests = run_calls(
+        root, ("-c", "import torch, engine; from utils.config import load_config; "
+                     "x, y = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0]); "
+                     "print(engine.Criterion()(x, y).item(), "
+                     "engine.build_criterion(load_config(['optim.focal_gamma=0.5']).optim)(x, y).item())"),
+        ("train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "run", "optim.focal_gamma=1.0"),
+        touched_tests("focal_loss"))
+    assert_passed(tests)
     assert rc == 0, out[-2000:]
     default, half = map(float, out.split()[-2:])
     assert default == pytest.approx((1 - p) ** 2 * -math.log(p), rel=1e-5)
     assert half == pytest.approx((1 - p) ** 0.5 * -math.log(p), rel=1e-5)  # the key reaches the loss
-    rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "run",
-                  "optim.focal_gamma=1.0")
-    assert rc == 0 and len(metrics(tmp_path / "run")) == 1, out[-3000:]
+    assert train_rc == 0 and len(metrics(tmp_path / "run")) == 1, train_out[-3000:]
 
 
 @pytest.mark.parametrize("edited", ["metric"], indirect=True)
 def test_a_new_metric_reaches_metrics_tensorboard_and_eval_json(edited, tmp_path):
     root, images = edited
     out_dir = tmp_path / "run"
-    rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--output-dir", out_dir)
+    (rc, out), (eval_rc, eval_out) = run_calls(
+        root, ("train.py", *FAST_ARGS, "--data-path", images, "--output-dir", out_dir),
+        ("train.py", *FAST_ARGS, "--data-path", images, "--eval-only", "--resume", out_dir / "checkpoints" / "best.pt",
+         "--output-dir", tmp_path / "eval"))
     assert rc == 0, out[-3000:]
     assert 0 <= metrics(out_dir)[0]["val_top3"] <= 1 and metrics(out_dir)[0]["val_top3"] >= metrics(out_dir)[0]["val_acc"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(out_dir)).Reload()
     assert "val/top3" in events.Tags()["scalars"]
-    rc, out = run(root, "train.py", *FAST_ARGS, "--data-path", images, "--eval-only", "--resume",
-                  out_dir / "checkpoints" / "best.pt", "--output-dir", tmp_path / "eval")
-    assert rc == 0, out[-3000:]
+    assert eval_rc == 0, eval_out[-3000:]
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["val_top3"] == metrics(out_dir)[0]["val_top3"]
 
 
 @pytest.mark.parametrize("edited", ["config_key"], indirect=True)
 def test_a_new_config_key_is_checked_commented_and_overridable(edited):
     root, _ = edited
-    touched_tests_pass(root, "config_key")
-    rc, out = run(root, "-c", "from utils.config import load_config; "
-                              "print(load_config([]).optim.focal_gamma, load_config(['optim.focal_gamma=0.5'])"
-                              ".optim.focal_gamma)")
+    (rc, out), (typo_rc, typo_out), tests = run_calls(
+        root, ("-c", "from utils.config import load_config; "
+                     "print(load_config([]).optim.focal_gamma, load_config(['optim.focal_gamma=0.5']).optim.focal_gamma)"),
+        ("train.py", "optim.focal_gama=1"), touched_tests("config_key"))
+    assert_passed(tests)
     assert rc == 0 and out.split()[-2:] == ["2.0", "0.5"], out[-2000:]
-    rc, out = run(root, "train.py", "optim.focal_gama=1")
-    assert rc == 2 and "did you mean 'optim.focal_gamma'" in out, out[-2000:]
+    assert typo_rc == 2 and "did you mean 'optim.focal_gamma'" in typo_out, typo_out[-2000:]

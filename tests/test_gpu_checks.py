@@ -138,19 +138,38 @@ def test_setup_installs_omegaconf_from_its_wheel_alone_and_the_run_goes_on(tmp_p
     omegaconf_wheel(wheels)
     assert [p.name for p in wheels.iterdir()] == [f"omegaconf-{omegaconf.__version__}-py3-none-any.whl"]
 
-    r = run_script(tmp_path, {"PYTHON": str(py), "WHEELS": str(wheels), "QUICK": "1", "STEPS": "test_optim"})
+    installed = tmp_path / "work" / "site" / "omegaconf" / "__init__.py"
+    # A test file that imports omegaconf when collected, as test_optim.py does (utils.config), without
+    # test_optim.py's torch import: the copy setup installed, or a collection error.
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(PROBE.format(installed=str(installed), gpu_mark=GPU_MARK))
+    r = run_script(tmp_path, {"PYTHON": str(py), "WHEELS": str(wheels), "QUICK": "1", "TESTS": str(probe),
+                              "STEPS": "test_probe"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     out = tmp_path / "out"
-    installed = tmp_path / "work" / "site" / "omegaconf" / "__init__.py"
     assert f"omegaconf from {installed}" in r.stdout
     rows = summary_rows(out)
-    assert rows["setup"][0] == "ok" and rows["test_optim"][0] == "ok", rows
-    # test_optim.py imports omegaconf (utils.config) when collected: its GPU tests were collected and skipped.
-    assert "skipped" in rows["test_optim"][3], rows
+    assert rows["setup"][0] == "ok" and rows["test_probe"][0] == "ok", rows
+    # Its GPU test was collected (omegaconf imported) and skipped.
+    assert "skipped" in rows["test_probe"][3], rows
     assert sorted(p.name for p in out.iterdir()) == ["gpu_checks.tgz", "summary.md"]
     names = archive_names(out)
-    for name in ("summary.md", "gpu_checks.log", "logs/setup.log", "logs/test_optim.log", "junit-optim.xml"):
+    for name in ("summary.md", "gpu_checks.log", "logs/setup.log", "logs/test_probe.log", "junit-probe.xml"):
         assert f"gpu_checks/{name}" in names, sorted(names)
+
+
+PROBE = """\
+import omegaconf
+import pytest
+
+assert omegaconf.__file__ == {installed!r}, omegaconf.__file__
+
+
+{gpu_mark}
+@pytest.mark.skip(reason="a GPU test, on the CPU")
+def test_on_the_gpu():
+    pass
+"""
 
 
 def test_a_missing_module_without_wheels_is_one_error_line(tmp_path):

@@ -2,9 +2,10 @@
 
     python -m pytest tests/test_kill_resume.py -q
 
-Every run is torchrun with 2 gloo processes on the CPU, compared with one
-uninterrupted 4-epoch run of the same command: the interrupted runs must end
-with bit-for-bit the same weights and the same metrics.jsonl (timings aside).
+Every run is torchrun with 2 gloo processes on the CPU. The SIGTERM and the kill -9 are two stops
+of one run (the command the SIGTERM's line prints is the one that is then killed), compared with one
+uninterrupted 4-epoch run of the same command: it must end with bit-for-bit the same weights and
+the same metrics.jsonl (timings aside).
 """
 import os
 import shlex
@@ -92,45 +93,75 @@ def _epochs_done(run_dir):
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def test_sigterm_stops_all_ranks_with_a_checkpoint_and_the_printed_command_resumes_exactly(data, straight,
-                                                                                           tmp_path):
-    out = tmp_path / "run"
+STEPS_PER_EPOCH = 3  # the data fixture's 24 training images, 2 ranks x batch 4
+
+
+@pytest.fixture(scope="module")
+def stopped_then_killed(data, tmp_path_factory):
+    """One run, stopped twice: SIGTERM to torchrun after epoch 1; then the command its stop line prints,
+    launched with --max-restarts=2 (and a save after every step), loses rank 0 to kill -9 right after
+    a mid-epoch save, and torchrun's restart finishes it. The SIGTERM test asserts on the first half,
+    the kill -9 test on the second; both end on the straight run's weights and metrics."""
+    out = tmp_path_factory.mktemp("ddp_stopped") / "run"
+    last = out / "checkpoints" / "last.pt"
     run = Launch(DDP, run_args(data, out, *EXTRA))
     _wait_for(lambda: _epochs_done(out) >= 1, run.proc)
     run.proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both workers
-    rc, log = run.wait(120)
-    assert rc != 0
-    stops = [x for x in log.splitlines() if x.startswith("error: stopped by SIGTERM")]
-    assert len(stops) == 1, log[-3000:]  # one line, from rank 0
-    state = load(out / "checkpoints" / "last.pt")
-    assert state["epoch"] >= 1 and len(state["ranks"]) == 2  # both ranks' random states
+    stopped = {"out": out, "log": run.wait(120)}
+    stopped["state"] = state = load(last)
+    stops = [x for x in stopped["log"][1].splitlines() if x.startswith("error: stopped by SIGTERM")]
+    assert stops, stopped["log"][1][-3000:]
     cmd = shlex.split(stops[0].split("Resume with: ", 1)[1])
-    assert cmd[:2] == ["torchrun", "--nproc_per_node=2"] and Path(cmd[2]).name == DDP, cmd
-
-    r = run_entry(DDP, *cmd[3:], nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from" in r.stdout
-    assert_same_run(straight, out)
-
-
-def test_kill_9_of_a_worker_mid_epoch_torchrun_restarts_and_the_run_finishes_exactly(data, straight, tmp_path):
-    out = tmp_path / "run"
-    last = out / "checkpoints" / "last.pt"
-    run = Launch(DDP, run_args(data, out, *EXTRA, "train.save_every_steps=1", flags=["--resume", "auto"]),
-                 "--max-restarts=2")
-    # Kill rank 0, the one that writes, right after a mid-epoch save in epoch 2 (global step 4).
-    _wait_for(lambda: _epochs_done(out) >= 1 and last.exists() and load(last)["global_step"] >= 4, run.proc)
+    # The printed command, as is, under torchrun with restarts; saving every step changes no number.
+    run = Launch(DDP, [*cmd[3:], "train.save_every_steps=1"], "--max-restarts=2")
+    # Kill rank 0, the one that writes, right after a save of this run's (past the SIGTERM's) inside an epoch.
+    _wait_for(lambda: last.exists() and (g := load(last)["global_step"]) > state["global_step"]
+              and g % STEPS_PER_EPOCH, run.proc)
+    killed_at = load(last)["global_step"]
     workers = run.workers()
     assert sorted(workers) == [0, 1], workers
     os.kill(workers[0], signal.SIGKILL)
-    rc, log = run.wait(300)
+    return {**stopped, "stops": stops, "cmd": cmd, "killed_at": killed_at, "resumed": run.wait(300)}
+
+
+def _resumed_lines(log):
+    return [x for x in log.splitlines() if "resumed from" in x]
+
+
+def test_sigterm_stops_all_ranks_with_a_checkpoint_and_the_printed_command_resumes_exactly(stopped_then_killed,
+                                                                                           straight):
+    run = stopped_then_killed
+    rc, log = run["log"]
+    assert rc != 0
+    assert len(run["stops"]) == 1, log[-3000:]  # one line, from rank 0
+    state = run["state"]
+    assert state["epoch"] >= 1 and len(state["ranks"]) == 2  # both ranks' random states
+    cmd = run["cmd"]
+    assert cmd[:2] == ["torchrun", "--nproc_per_node=2"] and Path(cmd[2]).name == DDP, cmd
+
+    rc, log = run["resumed"]
     assert rc == 0, log[-4000:]
-    resumed = [x for x in log.splitlines() if "resumed from" in x]
-    assert len(resumed) == 1, log[-4000:]  # one restart, and it continued the run
-    # It continued inside epoch 2 (or at its end): nothing before the unfinished epoch was redone.
-    assert "at epoch 2 after its step" in resumed[0] or "at epoch 3" in resumed[0], resumed
-    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3, 4]
-    assert_same_run(straight, out)
+    resumed = _resumed_lines(log)  # the printed command's first, then the kill -9 test's restart
+    assert resumed and resumed[0].endswith(f"global step {state['global_step']})"), resumed
+    # ...and the printed command itself resumed: no error before it, as a refusal then a restart would print.
+    before = log[:log.index(resumed[0])].splitlines()
+    assert not [x for x in before if x.startswith("error:")], before[-20:]
+    assert_same_run(straight, run["out"])
+
+
+def test_kill_9_of_a_worker_mid_epoch_torchrun_restarts_and_the_run_finishes_exactly(stopped_then_killed,
+                                                                                     straight):
+    run = stopped_then_killed
+    rc, log = run["resumed"]
+    assert rc == 0, log[-4000:]
+    resumed = _resumed_lines(log)
+    assert len(resumed) == 2, log[-4000:]  # the printed command's resume, then one restart that continued
+    # It continued from the mid-epoch save the kill followed (or a later one): nothing before the
+    # unfinished epoch was redone.
+    at = int(resumed[1].rsplit("global step ", 1)[1].rstrip(")"))
+    assert at >= run["killed_at"] and f"at epoch {at // STEPS_PER_EPOCH + 1}" in resumed[1], resumed
+    assert [m["epoch"] for m in metrics(run["out"])] == [1, 2, 3, 4]
+    assert_same_run(straight, run["out"])
 
 
 def test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(data, tmp_path):

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torchvision
 
+import train
+from bad_files import call_main
 from conftest import FAST_ARGS, REPO, make_image_folder, run_entry
 import model as model_module
 from model import build_model, create_model, find_head, freeze_all_but_head, load_weights, sync_bn_wanted
@@ -255,12 +257,15 @@ def test_pretrained_loads_from_the_hub_cache_and_replaces_the_head(hub_cache, we
     assert torch.equal(frozen.bn1.running_mean, state["bn1.running_mean"])  # frozen with the loaded statistics
 
 
-def test_pretrained_missing_from_the_cache_is_one_line_before_any_data(tmp_path):
-    proc = run_entry("train.py", "--data-path", tmp_path / "no-such-folder", "model.name=resnet18",
-                     "model.pretrained=DEFAULT", env={"TORCH_HOME": str(tmp_path / "torch")}, cwd=tmp_path)
+def test_pretrained_missing_from_the_cache_is_one_line_before_any_data(tmp_path, monkeypatch):
+    """train.py's main() in this process (the error line and what is left behind are the point)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = call_main(train.main, ["--data-path", tmp_path / "no-such-folder", "model.name=resnet18",
+                                             "model.pretrained=DEFAULT"])
     cache = tmp_path / "torch" / "hub" / "checkpoints"
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == (
+    assert code == 2, stderr
+    assert stderr.strip() == (
         "error: pretrained weights ResNet18_Weights.IMAGENET1K_V1 are not in the local torch hub cache: put "
         f"resnet18-f37072fd.pth in {cache} (nothing is downloaded here); on a machine with internet fetch it "
         "with: curl -L -o resnet18-f37072fd.pth https://download.pytorch.org/models/resnet18-f37072fd.pth")
@@ -282,17 +287,18 @@ def test_unknown_weights_name_gets_did_you_mean(hub_cache):
 
 @pytest.fixture(scope="module")
 def frozen_run(tmp_path_factory):
-    """train.py --weights W --freeze-layers True for one short epoch; W has a 5-class fc so it all loads."""
+    """train.py --weights W --freeze-layers True for one short epoch; W has a 5-class fc so it all loads.
+    Its main() runs in this process: the test is about its output lines and checkpoint."""
     tmp = tmp_path_factory.mktemp("frozen")
     root = make_image_folder(tmp / "flowers")
     torch.manual_seed(5)
     weights = create_model("resnet18", num_classes=5).state_dict()
     torch.save(weights, tmp / "w.pth")
-    proc = run_entry("train.py", *FAST_ARGS, "--data-path", root, "--output-dir", tmp / "run",
-                     "--weights", tmp / "w.pth", "--freeze-layers", "True", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, stdout, stderr = call_main(train.main, [*FAST_ARGS, "--data-path", root, "--output-dir", tmp / "run",
+                                                  "--weights", tmp / "w.pth", "--freeze-layers", "True"])
+    assert code == 0, stderr[-3000:]
     ckpt = torch.load(tmp / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
-    return proc, weights, ckpt
+    return stdout, weights, ckpt
 
 
 def frozen_backbone_unchanged(before, after, head):
@@ -305,9 +311,9 @@ def frozen_backbone_unchanged(before, after, head):
 
 @pytest.mark.slow
 def test_freeze_layers_changes_only_fc_parameters(frozen_run):
-    proc, weights, ckpt = frozen_run
-    assert f"loaded {len(weights)}/{len(weights)} tensors" in proc.stdout
-    assert "freeze_layers: only the head 'fc' trains" in proc.stdout
+    stdout, weights, ckpt = frozen_run
+    assert f"loaded {len(weights)}/{len(weights)} tensors" in stdout
+    assert "freeze_layers: only the head 'fc' trains" in stdout
     frozen_backbone_unchanged(weights, ckpt["model"], "fc")
     # The optimizer only ever held the head.
     assert [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]] == [2]
@@ -336,18 +342,18 @@ def test_freeze_layers_under_ddp_keeps_the_backbone_and_skips_sync_bn(tmp_path):
 def test_mobilenet_v3_small_trains_with_adamw_smoothing_and_clipping(tmp_path):
     """Another family trains the demo (a small set from demo/flowers.py, configs/demo.yaml) through
     train.py for an epoch, every new optim key on: every tensor moves, the optimizer is AdamW with
-    its no-decay group, the loss is finite."""
+    its no-decay group, the loss is finite. Its main() runs in this process (outputs are the point)."""
     from demo.flowers import generate
     root = generate(tmp_path / "demo_flowers", images_per_class=8, min_size=80, max_size=100)
     torch.manual_seed(8)
     start = create_model("mobilenet_v3_small", num_classes=5).state_dict()
     torch.save(start, tmp_path / "w.pth")
-    proc = run_entry("train.py", "--config", REPO / "configs" / "demo.yaml", "--device", "cpu", "train.epochs=1",
-                     "data.num_workers=0", "train.figures=false", "model.name=mobilenet_v3_small", "--data-path", root,
-                     "--output-dir", tmp_path / "run", "--weights", tmp_path / "w.pth", "optim.name=adamw",
-                     "optim.lr=0.001", "optim.weight_decay=0.05", "optim.label_smoothing=0.1",
-                     "optim.clip_grad_norm=1.0", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, stderr = call_main(train.main, [
+        "--config", REPO / "configs" / "demo.yaml", "--device", "cpu", "train.epochs=1", "data.num_workers=0",
+        "train.figures=false", "model.name=mobilenet_v3_small", "--data-path", root, "--output-dir", tmp_path / "run",
+        "--weights", tmp_path / "w.pth", "optim.name=adamw", "optim.lr=0.001", "optim.weight_decay=0.05",
+        "optim.label_smoothing=0.1", "optim.clip_grad_norm=1.0"])
+    assert code == 0, stderr[-3000:]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert [g["weight_decay"] for g in ckpt["optimizer"]["param_groups"]] == [0.05, 0.0]
     params = [n for n, _ in create_model("mobilenet_v3_small", 5).named_parameters()]

@@ -95,7 +95,7 @@ def main():
     args = p.parse_args()
     if args.quick:
         args.model, args.ladder, args.batch, args.size, args.steps, args.warmup = ("mobilenet_v3_small",
-                                                                                "mobilenet_v3_small", 2, 32, 2, 1)
+                                                                                "mobilenet_v3_small", 2, 32, 1, 1)
     info = init_distributed_mode("auto")
     rows = [{"model": args.model, "wrap": w, **measured(args.model, w, args, info)} for w in ("ddp", "fsdp")]
     largest, trains = {}, {"ddp": True, "fsdp": True}

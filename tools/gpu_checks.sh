@@ -153,7 +153,7 @@ L_BENCH=${L_BENCH:-200}    # quick sizes: 16-34 s -> 70, a floor only: the rehea
                            # (c) bare + 5 DDP variants, each warm-up + 5 x 50 steps: 1,800 steps ~35-55 s;
                            # (d) on the CPU at full size, 9 repeats: 42 s on one thread of the VM (measured),
                            # ~20-40 s there. ~115-155 s; 200 leaves ~1.3x
-L_SCALING=${L_SCALING:-140}  # 3 quick rows: 24-47 s (each row ~10 s, mostly start-up) -> 100; reasoned +40
+L_SCALING=${L_SCALING:-140}  # quick rows: 3 took 24-47 s (~10 s each, mostly start-up; now 2) -> 100; reasoned +40
                            # for one GPU's 3 rows (single, DP, DDP) at full size: per row a start, decoding
                            # 3,670 JPEGs once into the cache (~3 s with 8 workers) and 2 ResNet34 epochs at
                            # batch 16 (230 launch-bound steps an epoch, ~3 s): ~20 s a row, ~65 s in all
@@ -642,7 +642,12 @@ if [ -n "$missing" ]; then
     fi
     export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+VERSIONS=$("$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())")
+echo "$VERSIONS"
+# One process per GPU, as a user would launch it; a CPU rehearsal takes 2 gloo processes. (Read from the
+# line above: one torch import less.)
+NPROC=${VERSIONS##* devices }
+case $NPROC in ''|*[!0-9]*|0) NPROC=2 ;; esac
 report
 
 Q= COMPILE=--compile
@@ -693,8 +698,6 @@ if [ -n "$DATA_PID" ]; then
     echo "== data: exit $rc in ${secs} s (beside the tests)"; tail -n 3 "$R/logs/data.log"
     report
 fi
-# One process per GPU, as a user would launch it; a CPU rehearsal takes 2 gloo processes.
-NPROC=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
 wanted ddp_check && step ddp_check "$L_DDP_CHECK" "$PY" -m torch.distributed.run --standalone \
     --nproc_per_node="$NPROC" tools/ddp_check.py
 wanted fsdp_memory && step fsdp_memory "$L_FSDP_MEMORY" "$PY" -m torch.distributed.run --standalone \
