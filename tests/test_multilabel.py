@@ -14,8 +14,9 @@ import pytest
 import sklearn.metrics as skm
 import torch
 
-from engine import Criterion, average_precision, best_f1_thresholds, multilabel_report, pos_weights
+from engine import Criterion, pos_weights
 from utils.errors import UserError
+from utils.metrics import average_precision, best_f1_thresholds, multilabel_report
 from utils.mixing import MultiHotMix, batch_mixer
 
 
