@@ -1,12 +1,15 @@
 """Worker for tests/test_fsdp.py: one launch checks FSDP2 against DDP and itself.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/_fsdp_worker.py OUT
+    python -m torch.distributed.run --nproc_per_node=2 tests/_fsdp_worker.py OUT [SCRIPTS.json]
 
-Every rank trains the same tiny models with the project's own code (init_distributed_mode,
+SCRIPTS.json, if given, lists entry-script runs ([script, [args...]]) that every rank first makes
+through the script's main(), in order, as the launched script would: one torch start-up for them
+all. Then every rank trains the same tiny models with the project's own code (init_distributed_mode,
 utils/fsdp.py's shard_model and checkpoint_blocks, engine.train_one_epoch with its accumulation
 and clipping) once under DDP and once sharded, and writes what it found to OUT/rank<R>.json.
 Not a product file: the template never imports it.
 """
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -20,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from engine import Step, evaluate, train_one_epoch  # noqa: E402
 from utils.distributed_utils import broadcast_buffers, broadcast_object, cleanup, init_distributed_mode  # noqa: E402
-from utils import fsdp  # noqa: E402
+from utils import distributed_utils, fsdp  # noqa: E402
 from utils.fsdp import checkpoint_blocks, full_state_dict, load_full_state_dict, make_mesh, shard_model  # noqa: E402
 from utils.optim import build_scaler  # noqa: E402
 
@@ -82,10 +85,36 @@ def chunk_rows(rows, world, rank):
     return len(parts[rank]) if rank < len(parts) else 0
 
 
-def main(out):
+def own_key_space(name, store=distributed_utils.restart_store):
+    """restart_store with a key space of its own in torchrun's store, as a restart's is: each process group
+    after the first would find the group before's gloo addresses under the same keys."""
+    def keyed(*args):
+        agent = store(*args)
+        return None if agent is None else torch.distributed.PrefixStore(name, agent)
+    distributed_utils.restart_store = keyed
+
+
+def run_scripts(listing):
+    """Each entry script's main() as `python script args` would call it; their exit codes."""
+    codes = []
+    for i, (script, args) in enumerate(listing):
+        own_key_space(f"script_{i}")
+        sys.argv = [script, *args]
+        try:
+            importlib.import_module(Path(script).stem).main(args)
+            codes.append(0)  # the script's exit status: main's return value is not it
+        except SystemExit as e:
+            codes.append(e.code)
+        sys.stdout.flush()
+    own_key_space("worker")
+    return codes
+
+
+def main(out, scripts=None):
+    codes = run_scripts(json.loads(Path(scripts).read_text())) if scripts else []
     info = init_distributed_mode("cpu")
     rank, world, mesh = info.rank, info.world_size, make_mesh(info.device, info.world_size)
-    found = {}
+    found = {"script_codes": codes}
     adamw = lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05)  # noqa: E731
     sgd = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4)  # noqa: E731
 
@@ -194,4 +223,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -7,6 +7,8 @@ sizes, the full state dict, activation checkpointing, bf16 with its BatchNorm gr
 channels_last model; the entry-script tests run the real scripts under torchrun: a run whose
 rank is killed mid-epoch and restarted by torchrun ends with DDP's weights bit for bit, and
 predict.py, export.py and --eval-only (train.py's and the FSDP script's) take its run directory.
+The DDP reference run and the FSDP --eval-only run are made by the worker's ranks, through the
+scripts' main(), before its own checks: a torch start-up per process costs more than the runs.
 """
 import json
 import os
@@ -33,13 +35,8 @@ SMALL = "model.name=shufflenet_v2_x0_5"
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    if not CPU_FSDP:
-        pytest.skip(WHY)
-    out = tmp_path_factory.mktemp("fsdp_worker")
-    r = run_entry("tests/_fsdp_worker.py", out, nproc=2)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+def worker(runs):
+    return runs["worker"]
 
 
 @pytest.mark.slow
@@ -106,8 +103,10 @@ def test_a_channels_last_model_is_sharded_and_trains_on_channels_last_batches_to
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A one-epoch DDP run, and the same FSDP run whose rank 1 is SIGKILLed at its last step, after the
-    mid-epoch save of step 2 of 3, and restarted by torchrun."""
+    """Two launches. An FSDP run of one epoch whose rank 1 is SIGKILLed at its last step, after the mid-epoch
+    save of step 2 of 3, and restarted by torchrun. Then the worker's launch, whose ranks first make the same
+    run under train_multi_gpu_ddp.py and train_multi_gpu_fsdp.py --eval-only of the FSDP run's last.pt,
+    each through the script's main() (one torch start-up, not three), then the worker's own checks."""
     if not CPU_FSDP:
         pytest.skip(WHY)
     root = tmp_path_factory.mktemp("fsdp_runs")
@@ -115,9 +114,7 @@ def runs(tmp_path_factory):
     # The recipe options that need nothing of FSDP (loss weights, MixUp/CutMix, the balanced sampler) ride along.
     extra = (SMALL, "train.log_every=1", "train.save_every_steps=2", "optim.class_weights=auto",
              "data.mixup_alpha=0.2", "data.cutmix_alpha=0.2", "data.sampler=balanced")
-    ddp, sharded = root / "ddp", root / "fsdp"
-    r = run_entry(DDP, *run_args(data, ddp, *extra, epochs=1), nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
+    ddp, sharded, evaluated = root / "ddp", root / "fsdp", root / "fsdp_eval"
     # Two restarts allowed, one expected: an unasked-for second one (a rank that crashed) then still ends the
     # run, for the tests below, and the kill/restart test fails showing it, with PYTHONFAULTHANDLER's stacks.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=2",
@@ -125,13 +122,24 @@ def runs(tmp_path_factory):
            "kill:1:2", FSDP, *run_args(data, sharded, *extra, epochs=1, flags=["--resume", "auto"])]
     killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
-    return {"data": data, "ddp": ddp, "fsdp": sharded, "killed": killed}
+    last = sharded / "checkpoints" / "last.pt"
+    scripts = [(DDP, run_args(data, ddp, *extra, epochs=1)),
+               (FSDP, run_args(data, evaluated, SMALL, flags=["--eval-only", "--resume", last]))]
+    out = root / "worker"
+    out.mkdir()
+    (out / "scripts.json").write_text(json.dumps([(s, [str(a) for a in args]) for s, args in scripts]))
+    r = run_entry("tests/_fsdp_worker.py", out, out / "scripts.json", nproc=2)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    worker = [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+    return {"data": data, "ddp": ddp, "fsdp": sharded, "killed": killed, "worker": worker, "worker_run": r,
+            "fsdp_eval": evaluated}
 
 
 @pytest.mark.slow
 def test_a_killed_rank_restarts_from_the_sharded_checkpoint_and_ends_with_ddps_weights(runs):
     killed, out = runs["killed"], runs["fsdp"]
     assert killed.returncode == 0, killed.stdout[-2000:] + killed.stderr[-4000:]
+    assert [rank["script_codes"][0] for rank in runs["worker"]] == [0, 0], runs["worker_run"].stderr[-3000:]  # DDP's
     resumed = [x for x in killed.stdout.splitlines() if "resumed from" in x]
     fatal = killed.stderr.find("Fatal Python error")  # a crashed rank's stacks (faulthandler), else the log's end
     why = killed.stderr[fatal:fatal + 3000] if fatal >= 0 else killed.stderr[-3000:]
@@ -163,13 +171,12 @@ def test_predict_export_and_eval_only_take_the_fsdp_run(runs, tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_fsdp_eval_only_loads_the_run_into_the_sharded_model_and_reports_its_numbers(runs, tmp_path):
-    """train_multi_gpu_fsdp.py --eval-only: last.pt's full weights go into the sharded model (load_weights)."""
-    last = runs["fsdp"] / "checkpoints" / "last.pt"
-    r = run_entry(FSDP, *run_args(runs["data"], tmp_path / "e", SMALL, flags=["--eval-only", "--resume", last]),
-                  nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got, final = json.loads((tmp_path / "e" / "eval.json").read_text()), metrics(runs["fsdp"])[-1]
+def test_fsdp_eval_only_loads_the_run_into_the_sharded_model_and_reports_its_numbers(runs):
+    """train_multi_gpu_fsdp.py --eval-only under torchrun (its main() in the worker's launch): last.pt's full
+    weights go into the sharded model (load_weights)."""
+    r = runs["worker_run"]
+    assert [rank["script_codes"][1] for rank in runs["worker"]] == [0, 0], r.stderr[-3000:]
+    got, final = json.loads((runs["fsdp_eval"] / "eval.json").read_text()), metrics(runs["fsdp"])[-1]
     keys = ("val_loss", "val_acc", "val_macro_f1", "val_count", "val_confusion")
     assert {k: got[k] for k in keys} == {k: final[k] for k in keys}
     shown = [x for x in r.stdout.splitlines() if x.startswith("eval-only:")]
@@ -179,10 +186,14 @@ def test_fsdp_eval_only_loads_the_run_into_the_sharded_model_and_reports_its_num
 # --------------------------------------------------------------------------- refusals and block rules
 
 @needs_cpu_fsdp
-def test_what_fsdp_cannot_do_is_one_error_line_before_any_data(tmp_path):
-    r = run_entry(FSDP, *run_args(tmp_path / "absent", tmp_path / "run"), "train.ema_decay=0.9")
-    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-    assert r.returncode != 0 and len(errors) == 1 and "train.ema_decay" in errors[0], r.stderr[-2000:]
+def test_what_fsdp_cannot_do_is_one_error_line_before_any_data(tmp_path, monkeypatch, capsys):
+    """The script's main() in this process (no second torch start-up): the exit code and the error line."""
+    import train_multi_gpu_fsdp
+    code = run_main(train_multi_gpu_fsdp, [*map(str, run_args(tmp_path / "absent", tmp_path / "run")),
+                                           "train.ema_decay=0.9"], monkeypatch)
+    stderr = capsys.readouterr().err
+    errors = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert code != 0 and len(errors) == 1 and "train.ema_decay" in errors[0], stderr[-2000:]
     from utils.config import load_config
     for override, key in (("train.compile=true", "train.compile"), ("train.amp=fp16", "train.amp=fp16")):
         with pytest.raises(UserError, match=key):

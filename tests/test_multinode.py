@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import data as data_module
-from _resume_utils import load, run_args
+from _resume_utils import load, run_args, run_main
 from conftest import REPO, free_port, make_image_folder
 from utils.distributed_utils import cleanup, ddp_kwargs, init_distributed_mode, resolve_backend
 from utils.errors import UserError
@@ -125,15 +125,14 @@ def eval_json(line):
     return json.loads(line)
 
 
-def test_no_shared_filesystem_rank_0_reads_the_checkpoint_and_every_rank_resumes_it(flowers, tmp_path):
+def test_no_shared_filesystem_rank_0_reads_the_checkpoint_and_every_rank_resumes_it(flowers, tmp_path, monkeypatch):
+    import train_multi_gpu_ddp
     cwds = [tmp_path / "node0", tmp_path / "node1"]
     for cwd in cwds:
         cwd.mkdir()
     # A relative --output-dir: each node has its own "run/", and only node 0's holds a checkpoint
-    # (epoch 1, written by one process: the cheapest way to get one there).
-    first = subprocess.run([sys.executable, DDP, *run_args(flowers, "run", epochs=1)], cwd=cwds[0],
-                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
-    assert first.returncode == 0, first.stderr[-3000:]
+    # (epoch 1, written by one process, the script's main() in this one: the cheapest way to get one there).
+    assert run_main(train_multi_gpu_ddp, run_args(flowers, cwds[0] / "run", epochs=1), monkeypatch) == 0
 
     codes, nodes = static_pair(tmp_path, run_args(flowers, "run", "ddp.backend=gloo", epochs=2,
                                                   flags=["--resume", "auto"]), cwds)
