@@ -1,4 +1,5 @@
 """Helpers shared by the checkpoint / resume tests: tiny runs, and 'same run' comparisons."""
+import contextlib
 import json
 import sys
 
@@ -58,11 +59,20 @@ def assert_same_run(straight, resumed):
     assert metrics(straight) == metrics(resumed)
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """In-process runs with one intra-op thread: on a shared 2-core box, spinning OpenMP threads
-    double the CPU time, and the subprocess runs (run_entry) use OMP_NUM_THREADS=1 too."""
+@contextlib.contextmanager
+def single_thread():
+    """One intra-op thread inside, as run_entry's OMP_NUM_THREADS=1 gives a subprocess: on a shared 2-core
+    box spinning OpenMP threads double the CPU time, and the CPU kernels round as in those runs."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """A module's in-process runs on one intra-op thread (single_thread)."""
+    with single_thread():
+        yield

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import data
-from _resume_utils import run_main
+from _resume_utils import run_main, single_thread
 from benchmarks import benchmark, scaling
 from conftest import REPO
 
@@ -65,16 +65,14 @@ def run_watching(out_dir, stem, tool, *args, monkeypatch, timeout=600):
         monkeypatch.setenv(k, v)
     for k in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        code = run_main(tool, [str(a) for a in args], monkeypatch)
+        with single_thread():
+            code = run_main(tool, [str(a) for a in args], monkeypatch)
     finally:
         done.set()
         watcher.join()
-        torch.set_num_threads(threads)
 
     def parse(text):
         try:

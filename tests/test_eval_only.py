@@ -16,7 +16,7 @@ import torch
 
 import data
 import train
-from _resume_utils import run_main
+from _resume_utils import run_main, single_thread
 from conftest import make_image_folder, run_entry
 from plain_transforms.sitecustomize import plain_transforms
 
@@ -37,13 +37,8 @@ def evaluate_with(script, trained_run, out, nproc=None, *extra, checkpoint=None)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     else:
         assert script == "train.py"
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as run_entry's OMP_NUM_THREADS=1: the logits round as in the trained run
-        try:
-            with pytest.MonkeyPatch.context() as monkeypatch:
-                assert run_main(train, args, monkeypatch) == 0
-        finally:
-            torch.set_num_threads(threads)
+        with single_thread(), pytest.MonkeyPatch.context() as monkeypatch:  # the logits round as in the trained run
+            assert run_main(train, args, monkeypatch) == 0
     return json.loads((out / "eval.json").read_text())
 
 
