@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from model import use_channels_last
 from utils import checkpoint as ckpt
@@ -37,7 +38,7 @@ from utils.config import config_to_dict
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync, reduce_min,
                                      reduce_sums)
 from utils.errors import RUNTIME_EXIT, UserError
-from utils import figures, fsdp
+from utils import figures, fsdp, profiling
 from utils.normalization import model_input, normalization_of
 from utils.metrics import best_f1_thresholds, classification_report, multilabel_report
 from utils.mixing import batch_mixer
@@ -201,19 +202,22 @@ class EpochHooks:
     save_every: int = 0                     # optimizer steps between mid-epoch saves; 0 = none
     save_step: Optional[Callable] = None    # save_step(epoch_step, global_step, loss_sum, images_seen)
     first_batch: Optional[Callable] = None  # first_batch(images, labels): before MixUp/CutMix, epoch start only
+    profiler: Optional[profiling.StepProfiler] = None  # train.profile: records some of this epoch's steps
 
 
 def _forward_backward(step, images, targets, stepping):
     """The batch's loss (detached), its gradients added to the parameters' (scaled under fp16)."""
     # The non-final micro-batches only add to the local gradients (DDP's no_sync, FSDP's alike).
     with no_sync(step.model) if step.accum_steps > 1 and not stepping else contextlib.nullcontext():
-        with torch.autocast(step.device.type, dtype=step.amp_dtype, enabled=step.amp_dtype is not None):
+        with record_function("forward"), torch.autocast(step.device.type, dtype=step.amp_dtype,
+                                                        enabled=step.amp_dtype is not None):
             try:
                 loss = step.criterion(step.model(images), targets)
             except RuntimeError as e:
                 raise _unused_parameters_error(e, step.model) or e
         # The summed micro-batch gradients then equal one batch of accum_steps x batch_size.
-        step.scaler.scale(loss / step.accum_steps if step.accum_steps > 1 else loss).backward()
+        with record_function("backward"):  # DDP's all-reduce inside: gloo:all_reduce / nccl:all_reduce
+            step.scaler.scale(loss / step.accum_steps if step.accum_steps > 1 else loss).backward()
     return loss.detach().double()
 
 
@@ -234,6 +238,7 @@ def _unused_parameters_error(e, model):
                      exit_code=RUNTIME_EXIT, every_rank=True)
 
 
+@record_function("optimizer step")
 def _optimizer_step(step, window, params_to_clip):
     """Clip the gradients of `params_to_clip` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
     if step.clip_grad_norm:
@@ -292,7 +297,8 @@ class _TimedBatches:
         batches, end = iter(self.batches), object()
         while True:
             asked = time.perf_counter()
-            batch = next(batches, end)
+            with record_function("data wait"):
+                batch = next(batches, end)
             if batch is end:
                 return
             self.seconds += time.perf_counter() - asked
@@ -357,7 +363,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     waits = _TimedBatches(itertools.islice(batches, used - skip))
     bar = logger.progress_bar(waits, used - skip, f"{label} train")
     norm = normalization_of(getattr(loader, "dataset", None), step.device)
-    for i, (images, labels) in enumerate(bar, start=skip):
+    for i, (images, labels) in enumerate(profiling.profiled(bar, hooks.profiler, step.accum_steps), start=skip):
         images, labels = _to_device(images, labels, step.device, step.channels_last, norm)
         if i == 0 and hooks.first_batch is not None:
             hooks.first_batch(images, labels)
@@ -650,6 +656,7 @@ class _Run:
     stop: Optional[StopRequest]             # installed for the epochs
     run_state: ckpt.RunState                # epoch, global step, best accuracy: the loop's and the checkpoint's
     hinted: bool = False                    # the input-bound hint was printed (once per run)
+    profiled: bool = False                  # train.profile's epoch is done (the first this process trains)
 
 
 def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, script_name):
@@ -783,11 +790,12 @@ def _restore(cfg, state, step, layout, classes, dist_info):
 def _log_start(run, resume_path, notes):
     """A new run's config, class list and hparams; the start-up lines (rank 0 writes)."""
     cfg, step, logger, run_state, device = run.cfg, run.step, run.logger, run.run_state, run.dist_info.device
+    cost = profiling.model_cost(ckpt.unwrap(step.model), cfg.data.img_size, cfg.data.channels)  # meta device: ms
     if resume_path is None:
         logger.write_config(cfg)
         logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(run.classes)})
         score = scalar_tag(score_key(step.criterion.multilabel))
-        logger.hparams(config_to_dict(cfg), [score, score.replace("/", "/best_"), "val/macro_f1", "val/loss",
+        logger.hparams({**config_to_dict(cfg), **cost}, [score, score.replace("/", "/best_"), "val/macro_f1", "val/loss",
                                              "train/loss"])
     resume_at = run_state.resume_at
     where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
@@ -801,6 +809,7 @@ def _log_start(run, resume_path, notes):
                 f"{len(run.classes)} classes, {run.dist_info.world_size} process(es) on {device}, "
                 f"lr {step.optimizer.param_groups[0]['initial_lr']:.4g}, amp {step.amp_dtype or 'off'}"
                 + (f", {step.accum_steps} batches per step" if step.accum_steps > 1 else ""))
+    logger.info(profiling.cost_line(cost, cfg.data.img_size))
     weight, pos_weight = step.criterion.class_weight, step.criterion.pos_weight
     if weight is not None:
         logger.info("class weights: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, weight.tolist())))
@@ -825,9 +834,14 @@ def _train_epoch(run, epoch):
     if epoch == 0 and cfg.train.figures:
         def first_batch(images, labels, at_step=run_state.global_step):
             figures.sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, at_step)
+    # train.profile: some steps of the first epoch this process trains
+    profiler = None if run.profiled else profiling.epoch_profiler(
+        cfg.train, run.dist_info.rank, run.run_dir, run.step.device, run.logger.info,
+        len(run.train_loader) // run.step.accum_steps)
+    run.profiled = True
     hooks = EpochHooks(logger=run.logger, log_every=cfg.train.log_every, world_size=run.dist_info.world_size,
                        epochs=cfg.train.epochs, stop=stop, save_every=cfg.train.save_every_steps,
-                       save_step=save_step, first_batch=first_batch)
+                       save_step=save_step, first_batch=first_batch, profiler=profiler)
     end = train_one_epoch(run.step, run.train_loader, epoch, run_state.global_step, hooks, run_state.resume_at)
     run_state.resume_at, run_state.global_step, train = None, end.global_step, end.metrics
     if end.stopped:
@@ -935,7 +949,8 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
         val["val_worst"] = [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]}
                             for w in val.get("val_worst", [])]
     split = getattr(val_loader.dataset, "split", "val")
-    result = {"checkpoint": source, "split": split, "classes": list(classes), **val}
+    result = {"checkpoint": source, "split": split, "classes": list(classes),
+              **profiling.model_cost(ckpt.unwrap(model), cfg.data.img_size, cfg.data.channels), **val}
     if dist_info.rank == 0:
         if multilabel:
             figures.save_png(figures.f1_bars_image(val["val_f1"], classes), run_dir / "per_label_f1.png")

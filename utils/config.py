@@ -98,6 +98,8 @@ class TrainConfig:
     figures: bool = MISSING
     accum_steps: int = MISSING
     ema_decay: float = MISSING
+    profile: int = MISSING
+    profile_ranks: str = MISSING
 
 
 @dataclass
@@ -156,6 +158,7 @@ CHOICES = {
     "data.task": ("auto", "single", "multi"),
     "data.channels": (1, 3),
     "ddp.backend": ("auto", "nccl", "gloo"),
+    "train.profile_ranks": ("0", "all"),
 }
 
 
@@ -274,6 +277,8 @@ def _check_ranges(cfg):
         bad("optim.clip_grad_norm", f"{cfg.optim.clip_grad_norm}; 0 (off) or a positive norm")
     if cfg.train.accum_steps < 1:
         bad("train.accum_steps", f"{cfg.train.accum_steps}; 1 (no accumulation) or more micro-batches per step")
+    if cfg.train.profile < 0:
+        bad("train.profile", f"{cfg.train.profile}; 0 (off) or the number of steps to record")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
     for key in ("data.mixup_alpha", "data.cutmix_alpha"):

@@ -9,6 +9,8 @@ TensorBoard has one x-axis, the global optimizer step: step-level points at thei
 step, an epoch's points (every number of its metrics.jsonl line) and pictures at
 the step where the epoch ends. Pictures (utils/figures.py): the confusion matrix
 and the worst mistakes every epoch, augmented training samples once.
+The Custom Scalars tab (LAYOUT) puts train and val loss on one chart; the bookkeeping
+numbers (epoch, seconds, counts) sort after the curves, in BOOKKEEPING.
 """
 import io
 import json
@@ -76,6 +78,7 @@ class RunLogger:
         # double back on itself; the checkpoint's own step keeps its points (its epoch's end).
         self.writer = SummaryWriter(log_dir=str(self.run_dir),
                                     purge_step=(start_step + 1 if start_step else 0) if resuming else None)
+        self.writer.add_custom_scalars(LAYOUT)
 
     def _truncate_metrics(self, start_epoch):
         """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch)."""
@@ -183,9 +186,27 @@ class RunLogger:
             self.writer.close()
 
 
+# TensorBoard's Scalars tab sorts its sections by the tag's first part: bookkeeping goes in one
+# section that sorts after train/ and val/, so the curves come first on screen.
+BOOKKEEPING = "~run"
 # metrics.jsonl key -> TensorBoard tag: "val_acc" -> "val/acc"; the rest by name.
 _TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s", "best_acc": "val/best_acc", "best_map": "val/best_map",
-         "bad_images": "data/bad_images"}
+         **{key: f"{BOOKKEEPING}/{key}" for key in ("epoch", "epoch_seconds", "figure_seconds", "train_seconds",
+                                                    "val_seconds", "val_count", "bad_images")}}
+# The Custom Scalars tab: {section: {chart: ["Multiline", [tag regexes]]}}; a chart's lines are the tags
+# its regexes match (val/acc_ema with train.ema_decay, val/map for multi-label runs).
+LAYOUT = {
+    "curves": {
+        "loss: train and val": ["Multiline", [r"^train/loss$", r"^val/loss$", r"^val/loss_ema$"]],
+        "val accuracy, its EMA and top-5 (multi-label: mAP)": ["Multiline", [r"^val/(acc|map)(_ema)?$",
+                                                                             r"^val/top5$"]],
+        "learning rate": ["Multiline", [r"^train/lr$"]],
+    },
+    "speed": {
+        "img/s": ["Multiline", [r"^train/img_per_s$"]],
+        "data wait: share of the training time": ["Multiline", [r"^train/data_wait(_step)?$"]],
+    },
+}
 
 
 def scalar_tag(key):
@@ -194,7 +215,7 @@ def scalar_tag(key):
     for prefix in ("train_", "val_"):
         if key.startswith(prefix):
             return prefix[:-1] + "/" + key[len(prefix):]
-    return f"epoch/{key}"
+    return f"{BOOKKEEPING}/{key}"
 
 
 class _NoBar:
