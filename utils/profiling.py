@@ -9,7 +9,7 @@ the meta device (shapes only: no memory, no compute, no random draw, the weights
 StepProfiler (train.profile=N): torch.profiler records N optimizer steps after PROFILE_WAIT + PROFILE_WARMUP
 of the first epoch this process trains; the Chrome trace (Perfetto, chrome://tracing, TensorBoard's trace
 viewer) goes to <run>/profile/rank<R>.pt.trace.json and the top operators by time to the log.
-The step's regions are record_function ranges (REGIONS), no-ops while no profiler records.
+The step's regions are record_function ranges, no-ops while no profiler records.
 How to read a trace: docs/troubleshooting.md.
 """
 import contextlib
@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-# The step's named regions in the trace (engine.py opens them). DDP's gradient all-reduce runs inside
-# "backward" as the backend's own event: gloo:all_reduce / nccl:all_reduce (ALL_REDUCE_EVENTS).
-REGIONS = ("data wait", "forward", "backward", "optimizer step")
-ALL_REDUCE_EVENTS = ("gloo:all_reduce", "nccl:all_reduce")
+# engine.py names the step's regions with record_function: "data wait", "forward", "backward" and
+# "optimizer step". DDP's gradient all-reduce runs inside "backward" as the backend's own event,
+# gloo:all_reduce or nccl:all_reduce.
 PROFILE_WAIT, PROFILE_WARMUP = 1, 1  # steps skipped (the loader's first batches), steps traced but dropped
 TOP_OPERATORS = 15
 
@@ -93,8 +92,8 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.path))
         averages = prof.key_averages()
         sort_by = "self_cpu_time_total"
-        if self.cuda:  # torch >= 2.4 names the device's column "device"; older ones "cuda"
-            sort_by = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+        if self.cuda and len(averages):  # the device's time: "device" since torch 2.4, "cuda" before
+            sort_by = next(k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(averages[0], k))
         self.log(f"profile: {self.path} (open it in https://ui.perfetto.dev or chrome://tracing; "
                  f"docs/troubleshooting.md); top operators by {sort_by}:\n"
                  + averages.table(sort_by=sort_by, row_limit=TOP_OPERATORS))
