@@ -51,7 +51,7 @@ def test_torchrun_gets_a_free_master_port_of_its_own_unless_the_user_gave_one(tm
     assert module[3].startswith("--master_port=") and module[4] == "x.py"
     assert job_argv(["torchrun", "--master_port=1234", "x.py"], tmp_path, [])[:3] == ["torchrun", "--master_port=1234",
                                                                                       "x.py"]
-    assert not any("master_port" in a for a in job_argv(["python", "train.py", "--master_port=5"][:2], tmp_path, []))
+    assert not any("master_port" in a for a in job_argv(["python", "train.py"], tmp_path, []))  # no launcher
 
 
 def test_slots_give_each_parallel_job_its_own_gpu_or_group(tmp_path, monkeypatch):

@@ -57,11 +57,13 @@ def test_a_label_files_group_never_spans_two_folds_whatever_the_row_order(flower
     rows = [(f"{c}/{c}_{i:03d}.jpg", c, f"{c}-{i // 2}") for c in CLASSES for i in range(6)]  # 9 groups of 2
     files = []
     for n, order in enumerate((rows, random.Random(0).sample(rows, len(rows)))):
-        files.append(tmp_path / f"labels{n}.csv")
-        with open(files[-1], "w", newline="") as f:
-            csv.writer(f).writerows([("path", "label", "group"), *order])
+        for columns in (3, 2):  # with and without the group column
+            files.append(tmp_path / f"labels{n}_{columns}.csv")
+            with open(files[-1], "w", newline="") as f:
+                csv.writer(f).writerows(r[:columns] for r in [("path", "label", "group"), *order])
     vals = [val_sets(flowers, 3, labels=f) for f in files]
-    assert vals[0] == vals[1]  # the folds follow the images, not the file's row order
+    assert vals[0] == vals[2] and vals[1] == vals[3]  # the folds follow the images, not the file's row order
+    assert vals[1] == val_sets(flowers, 3)  # and a label file gives the folds its folders give
     group_of = {str(flowers / p): g for p, _, g in rows}
     folds_of_group = {}
     for i, val in enumerate(vals[0]):
@@ -135,9 +137,9 @@ def test_a_killed_kfold_run_started_again_skips_the_finished_fold_and_resumes_th
     assert rc == 1 and [f["status"] for f in before["per_fold"]] == ["done", "failed"], first_out[-3000:]
     assert "SIGTERM" in before["per_fold"][1]["error"] and "last.pt is saved" in before["per_fold"][1]["error"]
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "kfold: fold 0 finished before, skipped" in again.stdout
     fold0, fold0_log = killed_and_restarted["fold0"]
-    assert snapshot(out / "fold_0") == fold0 and (out / "fold_0" / "job.log").read_text() == fold0_log
+    assert (out / "fold_0" / "job.log").read_text() == fold0_log and snapshot(out / "fold_0") == fold0
+    assert "kfold: fold 0 finished before, skipped" in again.stdout
     log1 = (out / "fold_1" / "job.log").read_text()
     assert log1.count("resumed from") == 1 and "fold_1/checkpoints/last.pt" in log1.split("resumed from")[1]
     epochs = [json.loads(x)["epoch"] for x in (out / "fold_1" / "metrics.jsonl").read_text().splitlines()]

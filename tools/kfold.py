@@ -92,7 +92,12 @@ def finished(run_dir):
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return False, None, f"no metrics.jsonl in {run_dir}: no epoch finished"
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut short by a kill: that epoch did not finish
     epochs = [m for m in lines if "epoch" in m and "event" not in m]
     last = epochs[-1] if epochs else None
     if any(m.get("event") == "done" for m in lines):
