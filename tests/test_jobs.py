@@ -11,10 +11,10 @@ import time
 
 from utils.jobs import Job, job_argv, run_job, run_jobs, slot_devices
 
-# Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES} as one line, then an error line and exits 3
-# when its argv holds "fail".
+# Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES, "t": its start} as one line; then, when its argv
+# holds "nap", sleeps 1 s; holding "fail", prints an error line and another and exits 3.
 ECHO = ("import json, os, sys, time; print(json.dumps({'argv': sys.argv[1:], 'cuda': os.environ.get("
-        "'CUDA_VISIBLE_DEVICES'), 't': time.time()})); time.sleep(0.3); 'fail' in sys.argv and "
+        "'CUDA_VISIBLE_DEVICES'), 't': time.time()})); 'nap' in sys.argv and time.sleep(1); 'fail' in sys.argv and "
         "(print('error: bad value'), print('last words'), sys.exit(3))")
 
 
@@ -59,13 +59,13 @@ def test_slots_give_each_parallel_job_its_own_gpu_or_group(tmp_path, monkeypatch
     assert [slot_devices(k) for k in range(3)] == ["0", "1", "2"]
     assert [slot_devices(k, 2) for k in range(2)] == ["0,1", "2,3"]
     assert slot_devices(1, 2, visible="4,5,6,7") == "6,7"
-    jobs = [Job([sys.executable, "-c", ECHO], tmp_path / f"j{i}", [f"i={i}"], name=f"j{i}") for i in range(4)]
+    jobs = [Job([sys.executable, "-c", ECHO, "nap"], tmp_path / f"j{i}", [f"i={i}"], name=f"j{i}") for i in range(4)]
     start = time.time()
     results = run_jobs(jobs, parallel=2)
     seen = [echoed(r) for r in results]
     assert [r.rc for r in results] == [0] * 4
     # Two at a time: each pair of jobs running together holds slots 0 and 1.
     assert sorted(s["cuda"] for s in seen[:2]) == ["0", "1"] and {s["cuda"] for s in seen} == {"0", "1"}
-    assert abs(seen[0]["t"] - seen[1]["t"]) < 0.25 and time.time() - start < 4
+    assert abs(seen[0]["t"] - seen[1]["t"]) < 0.9 and time.time() - start < 3.9  # one after another: >= 4 s
     serial = run_jobs(jobs[:1], parallel=1)
     assert echoed(serial[0])["cuda"] is None  # one at a time: the caller's devices, untouched
