@@ -2,7 +2,7 @@
 
 Read top to bottom, each part is one thing you may change:
 
-    split_dataset     which images are training and which validation (data.val_rate, data.split_seed)
+    split_dataset     which images are training and which validation (data.val_rate or data.folds, data.split_seed)
     build_transforms  the augmentation: add yours to `train` after the crop
     build_datasets    the datasets the training reads (ImageList: (path, label) -> (image, label))
     make_loader       workers, batching and the input path (data.num_workers, data.pipeline)
@@ -48,6 +48,7 @@ from utils.config import config_to_dict, load_config
 from utils.decoding import MODES, BadImage, DraftRandomResizedCrop, DraftResize, load_image, load_rgb
 from utils.distributed_utils import broadcast_object, gather_objects, get_rank, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
+from utils.folds import fold_split, refuse_fixed_split
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
 from utils.label_file import read_label_file, seeded_split
 from utils.loader import PREFETCH_FACTOR, PersistentLoader, collate, reseed_worker
@@ -69,11 +70,12 @@ class Split:
     multilabel: bool = False  # samples are (path, sorted tuple of class indices): data.labels, data.task
 
 
-def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
+def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto", folds=0, fold=0):
     """Read the class folders under `root` (or the label file `labels`) and split them into train/val
-    (no collectives: see shared_split). task (data.task): auto, single or multi-label."""
+    (no collectives: see shared_split). task (data.task): auto, single or multi-label. folds > 0:
+    fold `fold` of `folds` is val instead of data.val_rate's share (utils/folds.py)."""
     if labels:
-        return _label_file_split(root, labels, val_rate, split_seed, task)
+        return _label_file_split(root, labels, val_rate, split_seed, task, folds, fold)
     _walk.cache_clear()
     root = Path(root)
     if not root.is_dir():
@@ -84,6 +86,8 @@ def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
     # mistake; files inside class folders are counted below, hidden or not.
     ignored = [str(root / f) for f in os.listdir(root) if (root / f).is_file() and not f.startswith(".")]
     if top in (["train", "val"], ["test", "train", "val"]):
+        if folds:
+            refuse_fixed_split(folds, f"'{root}' holds train/ and val/", "point data.path at the class folders")
         for other in top[:-2] + ["val"]:
             if _class_dirs(root / other) != _class_dirs(root / "train"):
                 raise UserError(f"'{root}/train' and '{root}/{other}' must hold the same class folders")
@@ -98,9 +102,11 @@ def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
         for label, name in enumerate(classes):
             files = _images_in(root / name, ignored)
             order = torch.randperm(len(files), generator=gen).tolist()
-            n_val = _val_count(name, len(files), val_rate)
+            n_val = 0 if folds else _val_count(name, len(files), val_rate)
             for i, idx in enumerate(order):
                 (split.val if i < n_val else split.train).append((files[idx], label))
+        if folds:  # every image is in train so far
+            split.train, split.val = fold_split(split.train, classes, folds, fold, split_seed, warn=warn)
     if not classes and ignored:
         raise UserError(f"data path '{root}' holds files but no class folders; put each class's "
                         "images in its own sub-folder (flower_photos/daisy/*.jpg, ...)")
@@ -135,7 +141,7 @@ def _val_count(name, n, val_rate):
     return n_val
 
 
-def _label_file_split(root, labels, val_rate, split_seed, task):
+def _label_file_split(root, labels, val_rate, split_seed, task, folds, fold):
     """data.labels -> Split. The file's split column fixes the split; without one, each class is split
     as its folder would be (the same images give the same split). A multi-label row goes with its
     rarest label (fewest rows; ties: the first class), so a rare label still gets its share of val."""
@@ -153,7 +159,11 @@ def _label_file_split(root, labels, val_rate, split_seed, task):
     if len(classes) < (1 if multilabel else 2):
         raise UserError(f"data.labels '{labels}' names {len(classes)} class(es); a classifier needs at least 2")
     split = Split(classes, [], [], multilabel=multilabel)
-    if table.split is not None:
+    if table.split is not None and folds:
+        refuse_fixed_split(folds, f"data.labels '{labels}' has a split column", "drop the column")
+    if folds:
+        split.train, split.val = fold_split(samples, classes, folds, fold, split_seed, table.groups, warn)
+    elif table.split is not None:
         for code, part in enumerate(("train", "val", "test")):
             setattr(split, part, samples.take(np.flatnonzero(table.split == code)))
         if not len(split.val):
@@ -182,7 +192,7 @@ def _warn_unseen_labels(split, labels):
                  f"{', '.join(map(repr, names[:3]))}; the model cannot learn them")
 
 
-def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
+def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto", folds=0, fold=0):
     """split_dataset, run by global rank 0 alone and handed to every rank (one broadcast).
 
     One scan instead of one per rank: no metadata storm on a shared filesystem, and the
@@ -192,7 +202,7 @@ def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto"):
     result = None
     if get_rank() == 0:
         try:
-            result = ("ok", split_dataset(root, val_rate, split_seed, labels, task))
+            result = ("ok", split_dataset(root, val_rate, split_seed, labels, task, folds, fold))
         except UserError as e:
             result = ("error", str(e), e.exit_code)
     result = broadcast_object(result)
@@ -264,7 +274,8 @@ def build_datasets(data_cfg, eval_only=False):
     eval_only: no training set (None: nothing of it is checked, decoded or loaded), and the
     second dataset is root/test/ when the root has one (its `split` says which).
     """
-    split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed, data_cfg.labels, data_cfg.task)
+    split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed, data_cfg.labels, data_cfg.task,
+                         data_cfg.folds, data_cfg.fold)
     if eval_only:
         split.train, split.val = [], split.test if len(split.test) else split.val
     train, val = (s if isinstance(s, SampleList) else SampleList(s, multilabel=split.multilabel)

@@ -38,6 +38,8 @@ class DataConfig:
     channels: int = MISSING
     val_rate: float = MISSING
     split_seed: int = MISSING
+    folds: int = MISSING
+    fold: int = MISSING
     img_size: int = MISSING
     min_crop_scale: float = MISSING
     val_resize: int = MISSING
@@ -245,6 +247,11 @@ def _check_ranges(cfg):
         bad("train.batch_size", f"{cfg.train.batch_size}; need a batch of at least 1")
     if not 0.0 <= cfg.data.val_rate < 1.0:
         bad("data.val_rate", f"{cfg.data.val_rate}; must be in [0, 1)")
+    if cfg.data.folds < 0 or cfg.data.folds == 1:
+        bad("data.folds", f"{cfg.data.folds}; 0 (off) or at least 2 folds")
+    if not 0 <= cfg.data.fold < max(cfg.data.folds, 1):
+        bad("data.fold", f"{cfg.data.fold}; " + (f"must be in 0..{cfg.data.folds - 1} (data.folds={cfg.data.folds})"
+                                                  if cfg.data.folds else "data.folds=K first (0 = no folds)"))
     if not 0.0 < cfg.data.min_crop_scale <= 1.0:
         bad("data.min_crop_scale", f"{cfg.data.min_crop_scale}; must be in (0, 1]")
     if cfg.data.img_size < 16 or cfg.data.val_resize < cfg.data.img_size:

@@ -6,7 +6,8 @@
 
 `path` is relative to data.path (an absolute one is kept); `label` is a class name, several in CSV
 separated by `;` (a JSON list in JSON Lines) make the row multi-label; `split` (train/val/test) is
-optional and fixes the split; `group` is optional, accepted and kept. A file that cannot be read as
+optional and fixes the split; `group` is optional (a patient, a plant, a video: rows that must stay
+together) and keeps its rows in one fold of data.folds (utils/folds.py). A file that cannot be read as
 such is refused in one line that names the row. A million rows read in a few seconds: one pass of
 plain Python over the rows, the result packed into a SampleList at once (utils/sample_list.py).
 """
@@ -104,10 +105,10 @@ def _table(rows, file, root):
     paths, lines, counts, values, splits, groups = [], [], [], [], [], []
     ids, first_row, repeated, empty, unknown = {}, {}, [], [], []
     prefix, absolute = os.path.join(root, ""), tuple(filter(None, (os.sep, os.altsep)))
-    has_split = has_group = None
+    has_split = None
     for line, path, names, split, group in rows:
         if has_split is None:
-            has_split, has_group = split is not None, group is not None
+            has_split = split is not None
         row = len(paths)
         if not path or not names or not all(names):
             empty.append(line)
@@ -131,8 +132,7 @@ def _table(rows, file, root):
             repeated.append(row)
         paths.append(full)
         lines.append(line)
-        if has_group:
-            groups.append(group)
+        groups.append(group)  # a JSON Lines row may have a group where the first row has none
     if empty:
         raise UserError(f"data.labels '{file}': {len(empty)} row(s) have an empty path or label, e.g. line "
                         f"{', '.join(map(str, empty[:SHOWN]))}; give every row an image and at least one label")
@@ -171,7 +171,7 @@ def _table(rows, file, root):
     else:
         samples = SampleList.from_arrays(paths, labels=values)
     return LabelTable(samples, classes, np.array(splits, dtype=np.int8) if has_split else None,
-                      groups if has_group else None,
+                      groups if any(g is not None for g in groups) else None,
                       np.array(lines, dtype=np.int64), multi_rows)
 
 
@@ -195,17 +195,8 @@ def seeded_split(samples, classes, split_seed, val_count):
     """(train rows, val rows) of a label file without a split column, as data.split_dataset splits folders:
     per class, rows in path order, one seeded generator over the classes in order; val_count(name, n)
     says how many of a class's n rows go to validation."""
-    if samples.multilabel:
-        counts = np.bincount(samples.label_values, minlength=len(classes))
-        # Each row's rarest label: the smallest (row count, class index) among its labels.
-        score = counts[samples.label_values] * len(classes) + samples.label_values
-        rows = np.repeat(np.arange(len(samples)), np.diff(samples.label_offsets))
-        best = np.full(len(samples), np.iinfo(np.int64).max)
-        np.minimum.at(best, rows, score)
-        key = best % len(classes)
-    else:
-        key = samples.labels
-    by_path = np.argsort(_path_bytes(samples), kind="stable")
+    key = stratum(samples, len(classes))
+    by_path = path_order(samples)
     order = by_path[np.argsort(key[by_path], kind="stable")]
     bounds = np.searchsorted(key[order], np.arange(len(classes) + 1))
     gen = torch.Generator().manual_seed(split_seed)
@@ -219,6 +210,26 @@ def seeded_split(samples, classes, split_seed, val_count):
         val.append(rows[perm[:n_val]])
         train.append(rows[perm[n_val:]])
     return np.concatenate(train), np.concatenate(val)
+
+
+def stratum(samples, n_classes):
+    """The class each row is split by: its label or, multi-label, its rarest label (fewest rows; ties:
+    the first class), so a rare label still gets its share of validation."""
+    if not samples.multilabel:
+        return samples.labels
+    counts = np.bincount(samples.label_values, minlength=n_classes)
+    # Each row's rarest label: the smallest (row count, class index) among its labels.
+    score = counts[samples.label_values] * n_classes + samples.label_values
+    rows = np.repeat(np.arange(len(samples)), np.diff(samples.label_offsets))
+    best = np.full(len(samples), np.iinfo(np.int64).max)
+    np.minimum.at(best, rows, score)
+    return best % n_classes
+
+
+def path_order(samples):
+    """The rows sorted by path: a split made in this order depends on the images, not on the file's
+    row order or the filesystem's."""
+    return np.argsort(_path_bytes(samples), kind="stable")
 
 
 def _path_bytes(samples):

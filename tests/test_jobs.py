@@ -1,0 +1,71 @@
+"""utils/jobs.py: what a job runs, where its output goes, which GPU and port it gets.
+
+    python -m pytest tests/test_jobs.py -q
+
+The jobs here are tiny Python programs that print their own argv and environment: no torch is
+started; the real training runs through these functions in tests/test_kfold.py.
+"""
+import json
+import sys
+import time
+
+from utils.jobs import Job, job_argv, run_job, run_jobs, slot_devices
+
+# Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES, "t": its start} as one line; then, when its argv
+# holds "nap", sleeps 1 s; holding "fail", prints an error line and another and exits 3.
+ECHO = ("import json, os, sys, time; print(json.dumps({'argv': sys.argv[1:], 'cuda': os.environ.get("
+        "'CUDA_VISIBLE_DEVICES'), 't': time.time()})); 'nap' in sys.argv and time.sleep(1); 'fail' in sys.argv and "
+        "(print('error: bad value'), print('last words'), sys.exit(3))")
+
+
+def echoed(result):
+    """The last line the job printed (job.log is appended to, run after run)."""
+    return json.loads((result.run_dir / "job.log").read_text().splitlines()[-1])
+
+
+def test_a_job_gets_its_run_dir_its_overrides_and_resume_auto_once_the_dir_holds_a_run(tmp_path):
+    lines = []
+    first = run_job([sys.executable, "-c", ECHO], tmp_path / "a", ["data.fold=1"], log=lines.append)
+    assert (first.rc, first.error_line) == (0, None)
+    assert echoed(first)["argv"] == ["--output-dir", str(tmp_path / "a"), "data.fold=1"]
+    assert json.loads(lines[0])["argv"] == echoed(first)["argv"]  # streamed as well
+    (tmp_path / "a" / "checkpoints").mkdir()
+    (tmp_path / "a" / "checkpoints" / "last.pt").write_bytes(b"")
+    again = run_job([sys.executable, "-c", ECHO], tmp_path / "a", ["data.fold=1"])
+    log = (tmp_path / "a" / "job.log").read_text().splitlines()
+    assert len(log) == 4  # appended: "$ command" and the output, twice
+    assert json.loads(log[3])["argv"] == ["--output-dir", str(again.run_dir), "--resume", "auto", "data.fold=1"]
+
+
+def test_a_failed_job_reports_its_error_line(tmp_path):
+    result = run_job([sys.executable, "-c", ECHO, "fail"], tmp_path / "b", [])
+    assert (result.rc, result.error_line) == (3, "error: bad value")
+
+
+def test_torchrun_gets_a_free_master_port_of_its_own_unless_the_user_gave_one(tmp_path):
+    cmd = ["torchrun", "--nproc_per_node=2", "train_multi_gpu_ddp.py", "--epochs", "1"]
+    a, b = job_argv(cmd, tmp_path, []), job_argv(cmd, tmp_path, [])
+    assert a[0:2] == ["torchrun", "--master_port=" + a[1].split("=")[1]] and a[2:5] == cmd[1:4]
+    assert a[1] != b[1]
+    module = job_argv([sys.executable, "-m", "torch.distributed.run", "x.py"], tmp_path, [])
+    assert module[3].startswith("--master_port=") and module[4] == "x.py"
+    assert job_argv(["torchrun", "--master_port=1234", "x.py"], tmp_path, [])[:3] == ["torchrun", "--master_port=1234",
+                                                                                      "x.py"]
+    assert not any("master_port" in a for a in job_argv(["python", "train.py"], tmp_path, []))  # no launcher
+
+
+def test_slots_give_each_parallel_job_its_own_gpu_or_group(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [slot_devices(k) for k in range(3)] == ["0", "1", "2"]
+    assert [slot_devices(k, 2) for k in range(2)] == ["0,1", "2,3"]
+    assert slot_devices(1, 2, visible="4,5,6,7") == "6,7"
+    jobs = [Job([sys.executable, "-c", ECHO, "nap"], tmp_path / f"j{i}", [f"i={i}"], name=f"j{i}") for i in range(4)]
+    start = time.time()
+    results = run_jobs(jobs, parallel=2)
+    seen = [echoed(r) for r in results]
+    assert [r.rc for r in results] == [0] * 4
+    # Two at a time: each pair of jobs running together holds slots 0 and 1.
+    assert sorted(s["cuda"] for s in seen[:2]) == ["0", "1"] and {s["cuda"] for s in seen} == {"0", "1"}
+    assert abs(seen[0]["t"] - seen[1]["t"]) < 0.9 and time.time() - start < 3.9  # one after another: >= 4 s
+    serial = run_jobs(jobs[:1], parallel=1)
+    assert echoed(serial[0])["cuda"] is None  # one at a time: the caller's devices, untouched
