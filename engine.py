@@ -723,8 +723,10 @@ def build_step(cfg, model, train_loader, classes, dist_info):
     accum = accumulation(cfg.train, world)  # train.accum_steps, or what train.global_batch makes of the world
     steps = len(train_loader) // accum  # optimizer steps per epoch
     if steps == 0:
-        raise UserError(f"train.accum_steps={accum} is more than the {len(train_loader)} batches of an epoch "
-                        "per process; lower it or --batch-size", every_rank=True)
+        what = (f"train.global_batch={cfg.train.global_batch} makes {accum} batches per step, more than"
+                if cfg.train.global_batch else f"train.accum_steps={accum} is more than")
+        raise UserError(f"{what} the {len(train_loader)} batches of an epoch per process; lower it or --batch-size",
+                        every_rank=True)
     multilabel = is_multilabel(train_loader)
     class_weight, pos_weight = None, None
     if multilabel:

@@ -84,14 +84,6 @@ def test_same_weights_on_1_2_4_processes_and_dataparallel(runs):
     """1 process x 4 accumulated batches of 2, 2 x 2, 4 x 1, and DP's one batch of 8: every optimizer step
     sees the same 8 images (the sampler's one permutation, dealt to the ranks) at the same lr: the same
     weights to 1e-5."""
-    accum = {"train.py": 4, "ddp2": 2, "ddp4": 1, "dp": 1}
-    for label, (run_dir, printed) in runs.items():
-        # The lr is optim.lr whatever the layout: scale_lr (on) does not multiply it by the world size.
-        assert f", lr 0.05, amp off, {accum[label]} batches per step, global batch {N}".replace(
-            ", 1 batches per step", "") in printed, (label, printed[-2000:])
-        data, global_batch = layout(run_dir)
-        assert global_batch == N and data["batch_size"] * data["world_size"] * data["accum_steps"] == N, label
-        assert data["accum_steps"] == accum[label] and data["steps_per_epoch"] == 2, (label, data)
     single = model_tensors(runs["train.py"][0])
     torch.manual_seed(0)
     init = worker.TinyNet(len(CLASSES)).state_dict()  # what every run starts from (train.seed 0)
@@ -101,6 +93,14 @@ def test_same_weights_on_1_2_4_processes_and_dataparallel(runs):
         other = model_tensors(runs[label][0])
         for name, w in single.items():
             assert rel_err(other[name], w) <= 1e-5, (label, name)
+    accum = {"train.py": 4, "ddp2": 2, "ddp4": 1, "dp": 1}
+    for label, (run_dir, printed) in runs.items():
+        # The lr is optim.lr whatever the layout: scale_lr (on) does not multiply it by the world size.
+        assert f", lr 0.05, amp off, {accum[label]} batches per step, global batch {N}".replace(
+            ", 1 batches per step", "") in printed, (label, printed[-2000:])
+        data, global_batch = layout(run_dir)
+        assert global_batch == N and data["batch_size"] * data["world_size"] * data["accum_steps"] == N, label
+        assert data["accum_steps"] == accum[label] and data["steps_per_epoch"] == 2, (label, data)
 
 
 @pytest.mark.slow
@@ -114,15 +114,15 @@ def test_elastic_restart_from_2_processes_to_1_keeps_the_global_batch(runs, plai
     rc = run_main(load_script("train_multi_gpu_ddp"), args, monkeypatch)
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
+    resumed, single = model_tensors(tmp_path / "elastic"), model_tensors(runs["train.py"][0])
+    for name, w in single.items():
+        assert rel_err(resumed[name], w) <= 1e-5, name
     lines = [x for x in out.splitlines() if "train.global_batch" in x]
     assert lines == [f"note: train.global_batch={N} kept: 2 -> 1 process(es), accumulation 2 -> 4 batches of "
                      f"{B} per step"], out[-3000:]
     assert f"1 process(es) on cpu, lr 0.05, amp off, 4 batches per step, global batch {N}" in out
     data, global_batch = layout(tmp_path / "elastic")
     assert (global_batch, data["world_size"], data["accum_steps"]) == (N, 1, 4)
-    resumed, single = model_tensors(tmp_path / "elastic"), model_tensors(runs["train.py"][0])
-    for name, w in single.items():
-        assert rel_err(resumed[name], w) <= 1e-5, name
     epochs = [json.loads(x)["epoch"] for x in (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()]
     assert epochs == [2]
 
