@@ -788,9 +788,9 @@ def _restore(cfg, state, step, layout, classes, dist_info):
                      "from its weights")
     rng, resume_at, note = ckpt.resume_point(state, dist_info.rank, layout)
     notes += [note] if note else []
-    steps, their_steps = layout["steps_per_epoch"], (state.get("data") or {}).get("steps_per_epoch")
-    their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
     theirs = state.get("data") or {}
+    steps, their_steps = layout["steps_per_epoch"], theirs.get("steps_per_epoch")
+    their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
     their_accum, their_world = theirs.get("accum_steps", 1), theirs.get("world_size")
     if cfg.train.global_batch and their_world and (their_world, their_accum) != (dist_info.world_size,
                                                                                 step.accum_steps):
