@@ -35,8 +35,8 @@ from model import use_channels_last
 from utils import checkpoint as ckpt
 from utils.cli import OUT_OF_MEMORY, out_of_memory
 from utils.config import config_to_dict
-from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync, reduce_min,
-                                     reduce_sums)
+from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync,
+                                     nondeterministic_op, reduce_min, reduce_sums)
 from utils.errors import RUNTIME_EXIT, UserError
 from utils import figures, fsdp, profiling
 from utils.normalization import model_input, normalization_of
@@ -697,6 +697,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
             metrics = _train_epoch(run, epoch)
     except OUT_OF_MEMORY as e:
         raise out_of_memory(e, cfg, dist_info, script_name) from e
+    except RuntimeError as e:  # train.deterministic met an op without a deterministic kernel: one line
+        raise nondeterministic_op(e) or e
     finally:
         run.stop.uninstall()
         logger.close()
@@ -724,11 +726,14 @@ def build_step(cfg, model, train_loader, classes, dist_info):
     """The Step of this run from the config (optimizer, schedule, loss, amp, EMA, MixUp/CutMix) and
     the data layout a mid-epoch resume must find unchanged. Refuses, before anything is written,
     the settings only the data can refute."""
-    device, world, accum = dist_info.device, dist_info.world_size, cfg.train.accum_steps
+    device, world = dist_info.device, dist_info.world_size
+    accum = accumulation(cfg.train, world)  # train.accum_steps, or what train.global_batch makes of the world
     steps = len(train_loader) // accum  # optimizer steps per epoch
     if steps == 0:
-        raise UserError(f"train.accum_steps={accum} is more than the {len(train_loader)} batches of an epoch "
-                        "per process; lower it or --batch-size", every_rank=True)
+        what = (f"train.global_batch={cfg.train.global_batch} makes {accum} batches per step, more than"
+                if cfg.train.global_batch else f"train.accum_steps={accum} is more than")
+        raise UserError(f"{what} the {len(train_loader)} batches of an epoch per process; lower it or --batch-size",
+                        every_rank=True)
     multilabel = is_multilabel(train_loader)
     class_weight, pos_weight = None, None
     if multilabel:
@@ -739,7 +744,8 @@ def build_step(cfg, model, train_loader, classes, dist_info):
                                      len(classes), device)
     network = ckpt.unwrap(model)  # what the optimizer, the EMA and the checkpoints see
     criterion, amp_dtype, channels_last = compute_settings(cfg, device, class_weight, multilabel, pos_weight)
-    optimizer = build_optimizer(network, cfg.optim, world, fused=amp_dtype == torch.float16)
+    optimizer = build_optimizer(network, cfg.optim, world, fused=amp_dtype == torch.float16,
+                                global_batch=cfg.train.global_batch)
     step = Step(model=compile_model(model) if cfg.train.compile else model, optimizer=optimizer,
                 scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps),
                 scaler=build_scaler(amp_dtype, device), device=device,
@@ -750,6 +756,27 @@ def build_step(cfg, model, train_loader, classes, dist_info):
     layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, steps, len(train_loader.dataset),
                               accum_steps=accum, sampler=cfg.data.sampler)
     return step, layout
+
+
+def accumulation(train_cfg, world_size):
+    """Batches per optimizer step: train.accum_steps, or with train.global_batch=N, N / (batch_size x
+    processes) (DataParallel is one process whose batch is already the global one). One line when N does
+    not divide, naming what would."""
+    n, batch = train_cfg.global_batch, train_cfg.batch_size
+    if not n:
+        return train_cfg.accum_steps
+    per_step = batch * world_size  # images of one micro-batch over all processes
+    if n % per_step == 0:
+        return n // per_step
+    near = " or ".join(str(g) for g in (n // per_step * per_step, (n // per_step + 1) * per_step) if g)
+    if n % world_size:
+        fix = f"a global batch divisible by the {world_size} processes, e.g. {near}"
+    else:
+        mine = n // world_size  # images per process per step
+        sizes = sorted(sorted((d for d in range(1, mine + 1) if mine % d == 0), key=lambda d: abs(d - batch))[:3])
+        fix = f"--batch-size {', '.join(map(str, sizes))} (dividing its {mine} per process), or a global batch of {near}"
+    raise UserError(f"train.global_batch={n} does not divide into --batch-size {batch} x {world_size} process(es) "
+                    f"= {per_step} images per micro-batch; use {fix}", every_rank=True)
 
 
 def _restore(cfg, state, step, layout, classes, dist_info):
@@ -768,13 +795,21 @@ def _restore(cfg, state, step, layout, classes, dist_info):
                      "from its weights")
     rng, resume_at, note = ckpt.resume_point(state, dist_info.rank, layout)
     notes += [note] if note else []
-    steps, their_steps = layout["steps_per_epoch"], (state.get("data") or {}).get("steps_per_epoch")
+    theirs = state.get("data") or {}
+    steps, their_steps = layout["steps_per_epoch"], theirs.get("steps_per_epoch")
     their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
+    their_accum, their_world = theirs.get("accum_steps", 1), theirs.get("world_size")
+    if cfg.train.global_batch and their_world and (their_world, their_accum) != (dist_info.world_size,
+                                                                                step.accum_steps):
+        # An elastic restart at another world size: the images per step stay N, the accumulation follows.
+        notes.append(f"note: train.global_batch={cfg.train.global_batch} kept: {their_world} -> "
+                     f"{dist_info.world_size} process(es), accumulation {their_accum} -> {step.accum_steps} "
+                     f"batches of {cfg.train.batch_size} per step")
     if their_steps not in (None, steps):
         # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps.
         run_state.global_step = run_state.epoch * steps
         place_schedule(step.scheduler, cfg.optim, dist_info.world_size, their_epochs or cfg.train.epochs, steps,
-                       run_state.global_step)
+                       run_state.global_step, global_batch=cfg.train.global_batch)
         notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {steps} "
                      f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {run_state.epoch + 1}'s "
                      "start in this run's steps")
@@ -808,7 +843,9 @@ def _log_start(run, resume_path, notes):
     logger.info(f"{len(run.train_loader.dataset)} train / {len(run.val_loader.dataset)} val images, "
                 f"{len(run.classes)} classes, {run.dist_info.world_size} process(es) on {device}, "
                 f"lr {step.optimizer.param_groups[0]['initial_lr']:.4g}, amp {step.amp_dtype or 'off'}"
-                + (f", {step.accum_steps} batches per step" if step.accum_steps > 1 else ""))
+                + (f", {step.accum_steps} batches per step" if step.accum_steps > 1 else "")
+                + (f", global batch {cfg.train.global_batch}" if cfg.train.global_batch else "")
+                + (", deterministic" if cfg.train.deterministic else ""))
     logger.info(profiling.cost_line(cost, cfg.data.img_size))
     weight, pos_weight = step.criterion.class_weight, step.criterion.pos_weight
     if weight is not None:

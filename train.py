@@ -28,7 +28,7 @@ def main(argv=None):
 
     # -- device: exactly one, --device auto = CUDA if present --
     device = resolve_device(cfg.train.device)  # cuda:N or cpu
-    use_device(device)
+    use_device(device, cfg.train.deterministic)  # and how kernels are chosen (train.deterministic)
     dist_info = DistInfo(device=device)
     if cfg.model.sync_bn:
         print("note: --syncBN applies to the DDP and FSDP scripts only; one device keeps plain BatchNorm")

@@ -10,7 +10,9 @@ Each process loads its own shard of the data (DistributedSampler), runs its
 own forward/backward, and DDP averages the gradients with an all-reduce, so
 every replica takes the same step. --batch-size is per process: the global
 batch is batch_size x world size, and optim.lr is scaled by the world size
-(optim.scale_lr). Only rank 0 writes files and shows progress.
+(optim.scale_lr); train.global_batch=N fixes the global batch at N on any world
+size instead (accumulating N / (batch_size x world size) batches per step, lr
+optim.lr). Only rank 0 writes files and shows progress.
 """
 import sys
 
@@ -32,7 +34,7 @@ def main(argv=None):
 
     # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo; without torchrun, a group of one --
     dist_info = init_distributed_mode(cfg.train.device, timeout_minutes=cfg.ddp.timeout_minutes,
-                                      backend=cfg.ddp.backend)
+                                      backend=cfg.ddp.backend, deterministic=cfg.train.deterministic)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     torch.manual_seed(cfg.train.seed)  # same init everywhere; DDP also broadcasts rank 0's weights
 

@@ -5,7 +5,7 @@
     python train_multi_gpu_dp.py --device cuda:1    # outputs gathered on GPU 1; every visible GPU still used
 
 --batch-size is the GLOBAL batch: each step scatters it over the GPUs, so it
-must be at least the number of GPUs. DataParallel is the easy path, not the
+must be at least the number of GPUs (train.global_batch=N accumulates N / batch_size of them). DataParallel is the easy path, not the
 fast one: the first GPU gathers outputs and holds extra memory, and one Python
 process drives all GPUs. Prefer train_multi_gpu_ddp.py. Without a GPU
 (or with --device cpu) it trains on the CPU without the wrapper.
@@ -57,7 +57,7 @@ def main(argv=None):
                         "DataParallel splits it over; use at least one image per GPU")
     if gpu_ids:
         device = torch.device("cuda", gpu_ids[0])
-    use_device(device)
+    use_device(device, cfg.train.deterministic)  # and how kernels are chosen (train.deterministic)
     dist_info = DistInfo(device=device)
     if cfg.model.sync_bn:
         print("note: --syncBN applies to the DDP and FSDP scripts only; DataParallel keeps per-GPU BatchNorm")

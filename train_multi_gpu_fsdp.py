@@ -34,7 +34,7 @@ def main(argv=None):
 
     # -- device: this process's GPU (LOCAL_RANK), or the CPU with gloo; without torchrun, a group of one --
     dist_info = init_distributed_mode(cfg.train.device, timeout_minutes=cfg.ddp.timeout_minutes,
-                                      backend=cfg.ddp.backend)
+                                      backend=cfg.ddp.backend, deterministic=cfg.train.deterministic)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     check_config(cfg, device)  # what FSDP cannot do here: one error line, before any data is read
     torch.manual_seed(cfg.train.seed)  # same init everywhere; shard_model also broadcasts rank 0's weights

@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nproc_per_node=2 tests/_ddp_worker.py OUT IMAGE_ROOT
     python -m torch.distributed.run --nproc_per_node=3 tests/_ddp_worker.py OUT IMAGE_ROOT --also-world 2 PORT
     python -m torch.distributed.run --nproc_per_node=2 tests/_ddp_worker.py OUT IMAGE_ROOT --syncbn-gpu
+    python -m torch.distributed.run --nproc_per_node=4 tests/_ddp_worker.py OUT IMAGE_ROOT --global-batch PORT
 
 Every rank runs the project's own code (init_distributed_mode, split_dataset,
 epoch_sampler, ShardSampler, make_loader, DDP, fit, evaluate) and writes what
@@ -25,6 +26,8 @@ from torch.utils.data import Dataset, Subset
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import data  # noqa: E402
+import model as model_module  # noqa: E402
 from data import build_datasets, make_loader, split_dataset  # noqa: E402
 from model import build_model  # noqa: E402
 from utils.config import load_config  # noqa: E402
@@ -49,6 +52,49 @@ class TinyNet(nn.Sequential):
         super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
                          nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
+
+
+def unaugmented_transforms(*args, **kwargs):
+    """data.build_transforms with the validation transform for training too: the random crop and flip
+    draw from a stream per rank, so they differ between world sizes (docs/parallelism.md)."""
+    _, val = _BUILD_TRANSFORMS(*args, **kwargs)
+    return val, val
+
+
+_BUILD_TRANSFORMS = data.build_transforms
+GLOBAL_BATCH, GB_BATCH = 8, 2   # train.global_batch and --batch-size of tests/test_global_batch.py's runs
+
+
+def global_batch_args(image_root, run_dir, *extra):
+    """A run of the entry scripts with train.global_batch=8 on TinyNet (model.name=tiny_gn): two epochs of
+    two steps over 16 training images, epoch_001.pt kept for the elastic restart."""
+    return ["--data-path", str(image_root), "--output-dir", str(run_dir), "--device", "cpu", "model.name=tiny_gn",
+            "data.img_size=32", "data.val_resize=36", "data.num_workers=0", "train.epochs=2", "train.log_every=1",
+            "train.figures=false", "train.amp=off", "train.keep_last=2", "optim.lr=0.05",
+            f"train.batch_size={GB_BATCH}", f"train.global_batch={GLOBAL_BATCH}", *map(str, extra)]
+
+
+def use_plain_tiny_net(patch):
+    """What the global-batch runs train: TinyNet (no batch statistics), on unaugmented inputs; `patch`:
+    a pytest MonkeyPatch."""
+    patch.setitem(model_module.MODELS, "tiny_gn", lambda num_classes: TinyNet(num_classes))
+    patch.setattr(data, "build_transforms", unaugmented_transforms)
+
+
+def global_batch_runs(out, image_root, port):
+    """train_multi_gpu_ddp.py's own main() with train.global_batch at this launch's world size (4:
+    accumulation 1), then in ranks 0 and 1 as a group of 2 (accumulation 2): OUT/world4, OUT/world2."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_multi_gpu_ddp", REPO / "train_multi_gpu_ddp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    import pytest
+    use_plain_tiny_net(pytest.MonkeyPatch())  # for the life of this process
+    world = int(os.environ["WORLD_SIZE"])
+    sys.argv = ["train_multi_gpu_ddp.py"]
+    script.main(global_batch_args(image_root, out / f"world{world}"))  # cli_entry leaves no group behind
+    if fewer_env(2, port):
+        script.main(global_batch_args(image_root, out / "world2"))
 
 
 class RecordingSet(Dataset):
@@ -229,12 +275,18 @@ def join_fewer(world, port):
     init_distributed_mode, as if torchrun had started `world` processes: its variables say so, and
     rank 0 serves the group's store on `port` (torchrun's store stays the first group's). The others
     leave. One launch then serves two world sizes: each process's torch start-up is what costs."""
-    rank = int(os.environ["RANK"])
-    if rank >= world:
+    if not fewer_env(world, port):
         return None
+    return init_distributed_mode("cpu", timeout_minutes=1)
+
+
+def fewer_env(world, port):
+    """join_fewer's variables for a group of `world` on `port`; False for a rank outside it."""
+    if int(os.environ["RANK"]) >= world:
+        return False
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))
-    return init_distributed_mode("cpu", timeout_minutes=1)
+    return True
 
 
 def main(argv):
@@ -242,6 +294,8 @@ def main(argv):
     # --also-world W PORT: after the launch's own world, its first W ranks run every check again as
     # a group of W (its store on PORT), reporting under OUT/world<W>/.
     also = [int(a) for a in argv[argv.index("--also-world") + 1:][:2]] if "--also-world" in argv else None
+    if "--global-batch" in argv:  # the entry script forms (and leaves) its own groups
+        return global_batch_runs(out, image_root, int(argv[argv.index("--global-batch") + 1]))
     # A short timeout turns a collective that only some ranks reach into a failure, not a hang.
     dist_info = init_distributed_mode("cpu", timeout_minutes=1)
     try:

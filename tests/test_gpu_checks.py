@@ -194,7 +194,7 @@ def test_setup_names_every_missing_module_before_any_step_in_the_planned_order(t
     plan = next(line for line in r.stdout.splitlines() if line.startswith("steps: ")).split()[1:]
     tests = [s for s in plan if s.startswith("test_")]
     assert tests and plan == ["setup", "data", *tests, "ddp_check", "fsdp_memory", "train_fsdp", "resume_fp16",
-                              "benchmark", "scaling", "benchmark_compile"], plan
+                              "benchmark", "scaling", "deterministic", "benchmark_compile"], plan
 
 
 def test_the_rehearsal_runs_the_fsdp_training_and_the_fp16_resume(tmp_path):

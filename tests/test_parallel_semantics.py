@@ -326,7 +326,7 @@ def test_dp_with_device_cuda_n_puts_that_gpu_first(monkeypatch, image_root):
     spec.loader.exec_module(script)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(script, "use_device", lambda device: None)
+    monkeypatch.setattr(script, "use_device", lambda device, deterministic=False: None)
     monkeypatch.setattr(script, "build_model", lambda *a, **k: torch.nn.Linear(2, 2))  # stays on the CPU
     wrapped = {}
 

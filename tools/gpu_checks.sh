@@ -49,6 +49,10 @@
 #   benchmark          benchmarks/benchmark.py: ResNet34, batch 128, bf16, channels_last, 224 px: ceiling,
 #                      end to end with data.pipeline=pil and gpu, DDP world-size-1 ratio, CPU bare-loop ratio
 #   scaling            benchmarks/scaling.py --pipeline gpu: single / DP / DDP on every visible GPU
+#   deterministic      train.deterministic=true: train.py twice on CUDA with 2 DataLoader workers must end
+#                      bit for bit equal (weights, optimizer state, schedule); then its cost, the ResNet34
+#                      training step at 224 px, batch 128, bf16 with the mode on and off, interleaved, 5
+#                      timings of 30 steps each: img/s medians and their ratio
 #   benchmark_compile  benchmark.py --compile --skip e2e,ddp,bare: eager and torch.compile ceilings. Last,
 #                      since a cold compile is the longest and least sure part; not run with QUICK=1
 # The training steps end with a line `result: ...` (what they trained, on which device, with which amp):
@@ -103,8 +107,9 @@ TSV=$WORK/steps.tsv
 # image for forward + backward, 2.8 TFLOP a step, taken as ~20-30 ms a step (~4,000-6,500 img/s).
 # Expected (not limits), in order: setup 3 + tests ~235 (70 + 110 + 20 + 10 + 25) + ddp_check ~15 +
 # fsdp_memory ~55 + train_fsdp ~45 + resume_fp16 ~25 + benchmark ~130 = ~510 s, which leaves scaling ~30 s
-# of its ~65 (summary.md names the rows it did not reach) and benchmark_compile nothing: they run in a call
-# of their own, STEPS="data scaling benchmark_compile" (data, for a fresh machine's flower folder). Where
+# of its ~65 (summary.md names the rows it did not reach), deterministic and benchmark_compile nothing: they
+# run in a call of their own, STEPS="data scaling deterministic benchmark_compile" (data, for a fresh
+# machine's flower folder). Where
 # the GPU runs slower than reasoned, the steps before them get less, and summary.md says what they did not
 # finish. A limit bounds a hung
 # step; TOTAL cuts any step's limit to what is left of the whole, so the script ends within TOTAL +
@@ -157,6 +162,13 @@ L_SCALING=${L_SCALING:-140}  # quick rows: 3 took 24-47 s (~10 s each, mostly st
                            # for one GPU's 3 rows (single, DP, DDP) at full size: per row a start, decoding
                            # 3,670 JPEGs once into the cache (~3 s with 8 workers) and 2 ResNet34 epochs at
                            # batch 16 (230 launch-bound steps an epoch, ~3 s): ~20 s a row, ~65 s in all
+L_DETERMINISTIC=${L_DETERMINISTIC:-240}  # QUICK=1 (resnet18, 32 px; 3 Python starts: the images, 2 runs; then
+                           # the timed steps): 111 s, and stopped at 120 in the timed part, at load 7-14 on the
+                           # 2-core VM (26-29 CPU-s) -> 240, the rule's 2 x 111 rounded up with no GPU margin
+                           # added: the GPU host's 16 idle cores take the fixed costs far faster. Reasoned: 3
+                           # starts and 2 CUDA start-ups ~30 s, ResNet34's 7 steps at 64 px twice, the timed
+                           # part 10 x 30 + 10 warm-up steps at batch 128 (~20-30 ms each, the deterministic
+                           # ones slower): ~45-60 s
 ROW_LIMIT=${ROW_LIMIT:-45}  # scaling.py --timeout, per row, so a hung row leaves the others their time:
                            # longest quick row 12.2 s -> 30; reasoned +15 s (that row's decoding and epochs)
 L_COMPILE=${L_COMPILE:-120}  # not rehearsed (no compiler runs on the CPU VM). Reasoned: start-up ~10 s, the
@@ -376,7 +388,79 @@ def resume(work, device, *extra):
           f"{len(params)} parameters changed", flush=True)
 
 
-{"fsdp": fsdp, "resume": resume}[sys.argv[1]](*sys.argv[2:])
+def deterministic(work, device, model_name, img_size, batch, steps, *sizes):
+    """train.deterministic=true: train.py twice with 2 DataLoader workers must give bit-identical weights,
+    optimizer state and schedule (tests/test_deterministic.py on CUDA). Then its cost: the project's model
+    and optimizer on a synthetic batch (no loader, so the kernels are what is timed), `steps` training steps
+    per timing, with the mode on and off in turn, 5 times each; img/s medians and their ratio."""
+    import os, statistics, time
+    import torch
+    sys.path.insert(0, os.getcwd())  # the repository (the step runs there): its model and utils
+    from model import build_model
+    from utils.config import load_config
+    from utils.distributed_utils import use_device
+    from utils.optim import build_optimizer, resolve_amp
+    work = Path(work)
+    data = work / "data"
+    run(PY, "demo/flowers.py", data, "--images-per-class", 8)  # kept: nothing written when already there
+    states = []
+    for name in ("a", "b"):
+        run_dir = work / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        out = run(PY, "train.py", "--device", device, "--data-path", data, "--output-dir", run_dir, "train.epochs=1",
+                  "train.deterministic=true", "data.num_workers=2", "train.batch_size=4", *sizes)
+        if ", deterministic" not in out:
+            fail("the run's start-up line does not say deterministic")
+        states.append(torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False))
+    a, b = states
+    differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    differ += [f"optimizer {p}.{k}" for p, st in a["optimizer"]["state"].items() for k, t in st.items()
+               if torch.is_tensor(t) and not torch.equal(t, b["optimizer"]["state"][p][k])]
+    if differ or a["scheduler"] != b["scheduler"]:
+        fail(f"two deterministic runs differ: {', '.join(differ[:3]) or 'the schedule'}")
+
+    cfg = load_config(["--device", device, f"model.name={model_name}", f"data.img_size={img_size}"])
+    dev = torch.device(device)
+    amp = resolve_amp(cfg.train.amp, dev)
+    net = build_model(cfg.model, 5, dev, verbose=False, img_size=int(img_size))
+    memory = torch.channels_last if dev.type == "cuda" and cfg.model.channels_last else torch.contiguous_format
+    net = net.to(memory_format=memory)
+    opt = build_optimizer(net, cfg.optim)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(int(batch), 3, int(img_size), int(img_size), generator=g).to(dev, memory_format=memory)
+    y = torch.randint(0, 5, (int(batch),), generator=g).to(dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(mode, n):
+        use_device(dev, mode)  # the entry scripts' one switch: algorithms, cudnn.benchmark, cuBLAS workspace
+        t = time.perf_counter()
+        for _ in range(n):
+            with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
+                loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync()
+        return n * x.shape[0] / (time.perf_counter() - t)
+
+    speed = {True: [], False: []}
+    for mode in (False, True):  # warm-up of each: cuDNN's autotuning, the deterministic kernels' first use
+        timed(mode, 5)
+    for _ in range(5):
+        for mode in (True, False):
+            speed[mode].append(timed(mode, int(steps)))
+    use_device(dev, False)
+    on, off = statistics.median(speed[True]), statistics.median(speed[False])
+    print(f"deterministic img/s {[round(v) for v in speed[True]]}, default {[round(v) for v in speed[False]]}")
+    print(f"result: 2 deterministic train.py runs (2 workers) bitwise equal on {device}; {model_name} step at "
+          f"{img_size} px, batch {batch}, amp {str(amp).replace('torch.', '') if amp else 'off'}: deterministic "
+          f"{on:.0f} img/s / default {off:.0f} img/s = {on / off:.3f} (medians of 5, interleaved)", flush=True)
+
+
+{"fsdp": fsdp, "resume": resume, "deterministic": deterministic}[sys.argv[1]](*sys.argv[2:])
 EOF
 
 summary() {  # the table from steps.tsv and the steps' own result files -> R/summary.md, stdout
@@ -545,7 +629,7 @@ else
 fi
 KNOWN=(setup data)
 for f in "${TEST_FILES[@]}"; do KNOWN+=("$(basename "$f" .py)"); done
-KNOWN+=(ddp_check fsdp_memory train_fsdp resume_fp16 benchmark scaling benchmark_compile)
+KNOWN+=(ddp_check fsdp_memory train_fsdp resume_fp16 benchmark scaling deterministic benchmark_compile)
 DEFAULT_STEPS="${KNOWN[*]}"
 [ -n "$QUICK" ] && DEFAULT_STEPS=${DEFAULT_STEPS% benchmark_compile}  # no compiler run on a CPU rehearsal
 read -ra SEL <<< "${STEPS:-$DEFAULT_STEPS}"
@@ -655,12 +739,14 @@ FLOWERS=$REPO/data/bench_flowers  # where the data step puts the folder (benchma
 SMALL=()        # train_fsdp: the config's sizes on a GPU
 RESUME_SIZES=(data.img_size=64 data.val_resize=73)  # resume_fp16's 40 demo images, a CPU epoch in seconds
 RESUME_DEVICE=cuda
+DET_STEP=(resnet34 224 128 30)  # deterministic's timed step: model, px, batch, steps per timing
 if [ -n "$QUICK" ]; then
     Q=--quick COMPILE=
     FLOWERS=$WORK/bench/data/tiny_flowers
     SMALL=(model.name=resnet18 data.img_size=32 data.val_resize=36)
     RESUME_SIZES=("${SMALL[@]}")
     RESUME_DEVICE=cpu
+    DET_STEP=(resnet18 32 4 2)
     # The rehearsal runs test_cuda_scripts.py's trainings on the CPU (its own switch); other GPU tests skip.
     export CUDA_SCRIPTS_DEVICE=${CUDA_SCRIPTS_DEVICE:-cpu}
     # One thread per process: on a shared CPU, torch's spinning threads make any other load a many-fold
@@ -709,6 +795,8 @@ wanted resume_fp16 && step resume_fp16 "$L_RESUME_FP16" "$PY" "$TRAIN_CHECK" res
 wanted benchmark && step benchmark "$L_BENCH" "$PY" benchmarks/benchmark.py $Q --out-dir "$WORK/bench"
 wanted scaling && step scaling "$L_SCALING" "$PY" benchmarks/scaling.py $Q --pipeline gpu --timeout "$ROW_LIMIT" \
     --out-dir "$WORK/scaling"
+wanted deterministic && step deterministic "$L_DETERMINISTIC" "$PY" "$TRAIN_CHECK" deterministic "$WORK/deterministic" \
+    "$RESUME_DEVICE" "${DET_STEP[@]}" "${RESUME_SIZES[@]}"
 wanted benchmark_compile && step benchmark_compile "$L_COMPILE" "$PY" benchmarks/benchmark.py $Q $COMPILE \
     --skip e2e,ddp,bare --out-dir "$WORK/bench_compile"
 

@@ -99,6 +99,8 @@ class TrainConfig:
     worst_images: int = MISSING
     figures: bool = MISSING
     accum_steps: int = MISSING
+    global_batch: int = MISSING
+    deterministic: bool = MISSING
     ema_decay: float = MISSING
     profile: int = MISSING
     profile_ranks: str = MISSING
@@ -286,6 +288,11 @@ def _check_ranges(cfg):
         bad("train.accum_steps", f"{cfg.train.accum_steps}; 1 (no accumulation) or more micro-batches per step")
     if cfg.train.profile < 0:
         bad("train.profile", f"{cfg.train.profile}; 0 (off) or the number of steps to record")
+    if cfg.train.global_batch < 0:
+        bad("train.global_batch", f"{cfg.train.global_batch}; 0 (off) or the images per optimizer step")
+    if cfg.train.global_batch and cfg.train.accum_steps != 1:
+        raise UserError(f"train.global_batch={cfg.train.global_batch} sets the accumulation itself (global batch / "
+                        f"(batch size x processes)); drop train.accum_steps={cfg.train.accum_steps}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
     for key in ("data.mixup_alpha", "data.cutmix_alpha"):

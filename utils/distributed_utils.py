@@ -9,6 +9,7 @@ import datetime
 import gc
 import inspect
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -79,11 +80,31 @@ def resolve_device(requested="auto"):
     return torch.device("cuda", index)
 
 
-def use_device(device):
-    """Make `device` (from resolve_device or init_distributed_mode) this process's current device."""
+def use_device(device, deterministic=False):
+    """Make `device` (from resolve_device or init_distributed_mode) this process's current device, and
+    set how its kernels are chosen, here alone: train.deterministic=true asks for the same bits on every
+    run (torch.use_deterministic_algorithms, no cuDNN autotuning, a fixed cuBLAS workspace); false, for
+    the fastest kernels (cudnn.benchmark: fixed input size)."""
+    if deterministic:
+        # cuBLAS reads it when it makes its handle (the first matmul): before any CUDA work.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # Set either way: a process that calls main() twice (the tests) must not keep the last run's mode.
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its fastest kernels
+
+
+def nondeterministic_op(e):
+    """torch's "X does not have a deterministic implementation, but you set
+    'torch.use_deterministic_algorithms(True)'" as one error line naming X; None for any other error."""
+    found = re.match(r"(\S+) does not have a deterministic implementation", str(e))
+    if found is None:
+        return None
+    return UserError(f"train.deterministic=true, and {found.group(1)} has no deterministic kernel on this device; "
+                     "run with train.deterministic=false, or replace the op in the model",
+                     exit_code=RUNTIME_EXIT, every_rank=True)
 
 
 def store_libuv(environ, probe):
@@ -160,13 +181,13 @@ def ddp_kwargs(ddp_cfg):
     return kwargs
 
 
-def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto"):
+def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto", deterministic=False):
     """Join the process group described by the environment and pick this rank's device.
 
     `device` is the config's train.device: "auto" takes CUDA when present,
     otherwise CPU; `backend` is ddp.backend (resolve_backend). Outside torchrun/srun it
     forms a group of one process, so `python train_multi_gpu_ddp.py` trains as one
-    process, wrapped in DDP like every rank of a bigger job.
+    process, wrapped in DDP like every rank of a bigger job. `deterministic`: train.deterministic (use_device).
     """
     launch = read_launch_env()
     want_cuda = _parse_device(device).type == "cuda"
@@ -174,7 +195,7 @@ def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto"):
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if launch is None:
         dev = resolve_device(device)
-        use_device(dev)
+        use_device(dev, deterministic)
         print(f"note: no torchrun or srun environment: training as one process on {dev}; for N GPUs "
               f"launch with: torchrun --nproc_per_node=N {os.path.basename(sys.argv[0])} ...", flush=True)
         # An in-process store: a group of one needs no address or port.
@@ -189,7 +210,7 @@ def init_distributed_mode(device="auto", timeout_minutes=30, backend="auto"):
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    use_device(dev)
+    use_device(dev, deterministic)
     if "MASTER_ADDR" not in os.environ:  # srun without torchrun: single-node default
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")

@@ -8,22 +8,30 @@ import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 
-def scaled_lr(optim_cfg, world_size):
-    """optim.lr for this many processes: times world_size under optim.scale_lr (build_optimizer says why)."""
+def scaled_lr(optim_cfg, world_size, global_batch=0):
+    """The run's peak lr, the one rule for it (build_optimizer says why).
+
+    train.global_batch=N (global_batch > 0): optim.lr itself, the lr of N images per step, whatever the
+    process count, batch size and accumulation (1 process x 4 accumulated batches and 4 processes x 1 take
+    the same step, so the same lr). Off: optim.lr is one process's batch's, times world_size under
+    optim.scale_lr."""
+    if global_batch:
+        return optim_cfg.lr
     return optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
 
 
-def build_optimizer(model, optim_cfg, world_size=1, fused=False):
+def build_optimizer(model, optim_cfg, world_size=1, fused=False, global_batch=0):
     """optim.name over the trainable tensors; lr scaled by world size under the linear scaling rule.
 
     In DDP each process sees `batch_size` images, so the global batch is
     batch_size * world_size; keeping lr per image constant means lr * world_size.
+    With train.global_batch the images per step are fixed, and so is the lr (scaled_lr).
     `fused` (fp16 on CUDA): GradScaler then reads the inf/NaN check inside the
     fused kernel; with a plain optimizer it copies that flag to the host every step.
     sgd: one group, decay on every tensor (the default recipe, and its checkpoints, unchanged).
     adamw: decay only on weights, not on norm layers and biases (decay_groups).
     """
-    lr = scaled_lr(optim_cfg, world_size)
+    lr = scaled_lr(optim_cfg, world_size, global_batch)
     cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optim_cfg.name]
     extra = {"fused": True} if fused and "fused" in inspect.signature(cls).parameters else {}
     if optim_cfg.name == "sgd":
@@ -133,14 +141,14 @@ def build_scheduler(optimizer, optim_cfg, epochs, steps_per_epoch):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine.for_run(optim_cfg, epochs, steps_per_epoch))
 
 
-def place_schedule(scheduler, optim_cfg, world_size, epochs, steps_per_epoch, step):
+def place_schedule(scheduler, optim_cfg, world_size, epochs, steps_per_epoch, step, global_batch=0):
     """Re-place a restored schedule for this run's layout, at global step `step`.
 
     A checkpoint of another world size or batch size counts its schedule in its own
     steps per epoch and scales lr for its own world size (optim.scale_lr); kept as is,
     the cosine would end early or late. The optimizer's lr follows at once.
     """
-    base = scaled_lr(optim_cfg, world_size)
+    base = scaled_lr(optim_cfg, world_size, global_batch)
     shape = WarmupCosine.for_run(optim_cfg, epochs, steps_per_epoch)
     groups = scheduler.optimizer.param_groups
     scheduler.lr_lambdas = [shape] * len(groups)
