@@ -116,6 +116,7 @@ def sweep(tmp_path_factory):
             "out": out, "rows": rows(sweep_dir), "root": root}
 
 
+@pytest.mark.slow
 def test_a_trial_behind_the_median_is_pruned_and_its_run_ends_cleanly_early(sweep):
     pruned = [r for r in sweep["rows"] if r["state"] == "PRUNED"]
     assert pruned and all(r["optim.lr"] == "1e-06" for r in pruned)
@@ -127,6 +128,7 @@ def test_a_trial_behind_the_median_is_pruned_and_its_run_ends_cleanly_early(swee
         assert "error: stopped by SIGTERM" in (run / "job.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_started_again_ends_with_6_trials_none_lost_the_interrupted_one_resumed(sweep):
     ended = [r for r in sweep["rows"] if r["state"] in ("COMPLETE", "PRUNED", "FAIL")]
     assert len(ended) == TRIALS, sweep["rows"]
@@ -149,6 +151,7 @@ def test_a_killed_sweep_started_again_ends_with_6_trials_none_lost_the_interrupt
     assert epochs == list(range(1, EPOCHS + 1))
 
 
+@pytest.mark.slow
 def test_a_failing_trial_is_recorded_with_its_error_line_and_the_sweep_goes_on(sweep):
     failed = [r for r in sweep["rows"] if r["state"] == "FAIL"]
     assert failed and all(r["model.name"] == "bogus_net" for r in failed)
@@ -157,6 +160,7 @@ def test_a_failing_trial_is_recorded_with_its_error_line_and_the_sweep_goes_on(s
     assert f"| {failed[0]['number']} | FAIL |" in (sweep["dir"] / "trials.md").read_text()
 
 
+@pytest.mark.slow
 def test_best_yaml_is_a_recipe_that_config_takes(sweep):
     from utils.config import load_config
     cfg = load_config(["--config", str(sweep["dir"] / "best.yaml")])
@@ -165,6 +169,7 @@ def test_best_yaml_is_a_recipe_that_config_takes(sweep):
     assert cfg.output_dir is None
 
 
+@pytest.mark.slow
 def test_a_storage_url_from_the_environment_never_shows_its_password(sweep, monkeypatch):
     sweep_dir = sweep["root"] / "secret"
     monkeypatch.setenv("SWEEP_DB", f"postgresql://u:{SECRET}@127.0.0.1:1/db")
