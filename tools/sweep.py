@@ -3,8 +3,8 @@
     python tools/sweep.py space.yaml --trials 20 --dir runs/sweep -- python train.py --config configs/demo.yaml
     python tools/sweep.py space.yaml --trials 20 --n-jobs 4 --dir runs/sweep -- python train.py --config my.yaml
     export SWEEP_DB='postgresql://user:password@dbhost/optuna'     # the same study from several machines
-    python tools/sweep.py space.yaml --trials 100 --n-jobs 8 --dir runs/sweep --storage env:SWEEP_DB \\
-        -- torchrun --nproc_per_node=2 train_multi_gpu_ddp.py --config my.yaml --gpus-per-job 2
+    python tools/sweep.py space.yaml --trials 100 --n-jobs 4 --gpus-per-job 2 --dir runs/sweep --storage env:SWEEP_DB \\
+        -- torchrun --nproc_per_node=2 train_multi_gpu_ddp.py --config my.yaml
     tensorboard --logdir runs/sweep                              # HParams: every trial in one view
 
 space.yaml names config keys (utils/config.py checks each before trial 1):
@@ -21,12 +21,13 @@ the k-th group of G) with its own torchrun port.
 Objective: the best value over the epochs of `--metric` (default val_acc) in the trial's
 metrics.jsonl, `--direction max|min`. Each epoch's value goes to trial.report; the median pruner
 (--pruner none: off) stops a trial behind the median of the finished ones with SIGTERM: the run saves
-last.pt and exits, the trial is PRUNED, its folder stays. k-fold trials: `{trial_dir}` in the command is
-the trial's folder, and a DIR/trial_<n>/kfold.json (tools/kfold.py) makes its "mean" the objective;
-such trials are not pruned (their epochs are in the folds' folders):
+last.pt and exits, the trial is PRUNED, its folder stays. k-fold trials: tools/kfold.py takes the
+appended --output-dir as its --dir, and the trial's kfold.json "mean" (the folds' last epochs; --metric
+best_acc for their best) is the objective. Such trials are not pruned: their epochs are in the folds'
+folders. `{trial_dir}` in a command becomes the trial's folder.
 
     python tools/sweep.py space.yaml --trials 10 --dir runs/sweep \\
-        -- python tools/kfold.py --folds 3 --dir {trial_dir} -- python train.py --config my.yaml
+        -- python tools/kfold.py --folds 3 -- python train.py --config my.yaml
 
 Storage: sqlite:///DIR/study.db by default; `--storage journal` (DIR/journal.log, for a shared filesystem),
 any SQLAlchemy URL, or `env:VAR` to read the URL from an environment variable: a URL with a password is
@@ -34,8 +35,10 @@ never printed (it shows as ***) nor written into DIR, and the trials do not inhe
 
 It resumes: the same command again continues the study. A trial whose sweep process ended (killed,
 or this sweep stopped by SIGTERM/Ctrl-C) is marked FAIL and run again as a new trial in the same
-folder, from its last.pt; --trials N counts the trials that ended on their own (COMPLETE, PRUNED, FAIL),
-so a killed and restarted sweep still ends with N. A trial that fails (a bad value, a NaN loss, out of
+folder, from its last.pt (the tables call it RETRIED); --trials N counts the trials that ended on their
+own (COMPLETE, PRUNED, FAIL), so a killed and restarted sweep still ends with N (machines sharing a study
+each stop once N have ended; trials already running finish). An RDB study's driver is the user's to
+install (psycopg2-binary, PyMySQL). A trial that fails (a bad value, a NaN loss, out of
 memory) is FAIL with its `error:` line, and the sweep goes on.
 
 Writes DIR/trials.md and DIR/trials.csv (number, state, value, params, error, folder) after every trial,
@@ -467,6 +470,20 @@ def _write(path, text):
     tmp.replace(path)
 
 
+def check_slots(n_jobs, per_job):
+    """Every slot's GPUs exist: a trial given a GPU that is not there would train on the CPU unnoticed.
+    A machine without CUDA has no slots to check (the trials share its CPUs)."""
+    import torch
+    try:  # within the caller's CUDA_VISIBLE_DEVICES, when it has one
+        slot_devices(n_jobs - 1, per_job)
+    except ValueError as e:
+        raise UserError(f"--n-jobs {n_jobs}: {e}") from None
+    count = torch.cuda.device_count()
+    if not os.environ.get("CUDA_VISIBLE_DEVICES") and 0 < count < n_jobs * per_job:
+        raise UserError(f"--n-jobs {n_jobs} x {per_job} GPU(s) per trial needs {n_jobs * per_job} GPUs; "
+                        f"this machine has {count}: lower --n-jobs (or --gpus-per-job)")
+
+
 # --------------------------------------------------------------------------- main
 
 @cli_entry
@@ -474,10 +491,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     space = read_space(args.space)
     if args.n_jobs > 1:
-        try:  # enough GPUs in the caller's CUDA_VISIBLE_DEVICES for every slot
-            slot_devices(args.n_jobs - 1, args.gpus_per_job)
-        except ValueError as e:
-            raise UserError(f"--n-jobs {args.n_jobs}: {e}") from None
+        check_slots(args.n_jobs, args.gpus_per_job or 1)
     args.dir.mkdir(parents=True, exist_ok=True)
     storage, shown, secrets = resolve_storage(args.storage, args.dir)
     import optuna
