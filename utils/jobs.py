@@ -124,8 +124,9 @@ def _death_signal():
 _die_with_parent = _death_signal()
 
 
-def run_job(command, run_dir, overrides, slot=None, gpus_per_job=None, log=None):
-    """Run one job to its end -> JobResult(rc, error_line, run_dir)."""
+def run_job(command, run_dir, overrides, slot=None, gpus_per_job=None, log=None, *, on_start=None):
+    """Run one job to its end -> JobResult(rc, error_line, run_dir). on_start(proc), if given, gets the
+    job's Popen once it runs (tools/sweep.py sends a pruned trial's run its SIGTERM)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = job_argv(command, run_dir, overrides)
@@ -143,6 +144,8 @@ def run_job(command, run_dir, overrides, slot=None, gpus_per_job=None, log=None)
         with _lock:
             _live.add(proc)
         try:
+            if on_start is not None:
+                on_start(proc)
             for line in proc.stdout:
                 out.write(line)
                 out.flush()

@@ -1,0 +1,194 @@
+"""tools/sweep.py on Optuna: one real sweep of 6 tiny trials, 2 at once, killed and started again.
+
+    python -m pytest tests/test_sweep.py -q
+
+The space is a seeded draw over two choices, so the trials are known in advance (seed 41: lr 0.02,
+bogus_net, 0.02, 1e-6, 0.02, 1e-6): model.name=bogus_net fails at its config check, optim.lr=1e-6 is
+behind the median val_acc after epoch 1 and pruned, optim.lr=0.02 completes. The sweep is killed
+(SIGKILL: its runs get SIGTERM from utils/jobs' death signal) while a good trial trains its second
+epoch, after one trial of each kind ended; the same command, run again in this process, retries that
+trial from its last.pt and ends the study at 6.
+"""
+import contextlib
+import csv
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST_ARGS, REPO, make_image_folder
+
+TOOL = REPO / "tools" / "sweep.py"
+SPACE = "optim.lr: [0.02, 1.0e-6]\nmodel.name: [resnet18, bogus_net]\n"
+TRIALS, EPOCHS = 6, 2
+SECRET = "SECRET"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("sweep_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_in_process(argv):
+    """(exit code, stdout, stderr) of tools/sweep.py's main(argv), run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            load_tool().main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def rows(sweep_dir):
+    path = sweep_dir / "trials.csv"
+    return list(csv.DictReader(path.open())) if path.exists() else []
+
+
+def _running_good_trial_with_a_checkpoint(sweep_dir):
+    """A trial of lr 0.02 past its first epoch's last.pt, not yet in its second epoch's line."""
+    ended = {r["folder"] for r in rows(sweep_dir) if r["state"] not in ("RUNNING", "WAITING")}
+    for d in sweep_dir.glob("trial_*"):
+        log, metrics = d / "job.log", d / "metrics.jsonl"
+        if d.name in ended or not (d / "checkpoints" / "last.pt").exists() or not log.exists():
+            continue
+        if "optim.lr=0.02" in log.read_text() and metrics.exists() and len(metrics.read_text().splitlines()) == 1:
+            return d
+    return None
+
+
+def _trainers_of(sweep_dir):
+    """Processes (Linux /proc) whose command line names the sweep folder: the runs of its trials."""
+    found = []
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if p.name.isdigit() and str(sweep_dir) in (p / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(p.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    data = make_image_folder(root / "flowers")
+    (root / "space.yaml").write_text(SPACE)
+    sweep_dir = root / "sw"
+    train = [sys.executable, str(REPO / "train.py"), *FAST_ARGS, f"train.epochs={EPOCHS}", "--data-path", str(data)]
+    argv = [str(root / "space.yaml"), "--trials", str(TRIALS), "--n-jobs", "2", "--dir", str(sweep_dir),
+            "--seed", "41", "--prune-startup", "1", "--", *train]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen([sys.executable, str(TOOL), *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=env, cwd=REPO)
+    deadline, target = time.time() + 400, None
+    while time.time() < deadline and first.poll() is None:
+        states = {r["state"] for r in rows(sweep_dir)}
+        if {"COMPLETE", "PRUNED", "FAIL"} <= states:
+            target = _running_good_trial_with_a_checkpoint(sweep_dir)
+            if target is not None:
+                break
+        time.sleep(0.2)
+    before = {r["number"]: r for r in rows(sweep_dir) if r["state"] not in ("RUNNING", "WAITING")}
+    first.kill()
+    first_out = first.communicate()[0]
+    assert target is not None, f"no trial to interrupt; the first sweep printed:\n{first_out[-3000:]}"
+    deadline = time.time() + 120
+    while _trainers_of(sweep_dir) and time.time() < deadline:  # on the death signal's SIGTERM they save and end
+        time.sleep(0.2)
+    snapshot = {n: {f: (sweep_dir / r["folder"] / f).read_bytes() for f in ("metrics.jsonl", "job.log")
+                    if (sweep_dir / r["folder"] / f).exists()} for n, r in before.items()}
+    old_env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the runs this process starts: one thread, as above
+    try:
+        code, out, err = run_in_process(argv)
+    finally:
+        os.environ.pop("OMP_NUM_THREADS") if old_env is None else os.environ.update(OMP_NUM_THREADS=old_env)
+    assert code == 0, (out + err)[-3000:]
+    return {"dir": sweep_dir, "data": data, "before": before, "snapshot": snapshot, "target": target,
+            "out": out, "rows": rows(sweep_dir), "root": root}
+
+
+@pytest.mark.slow
+def test_a_trial_behind_the_median_is_pruned_and_its_run_ends_cleanly_early(sweep):
+    pruned = [r for r in sweep["rows"] if r["state"] == "PRUNED"]
+    assert pruned and all(r["optim.lr"] == "1e-06" for r in pruned)
+    for r in pruned:
+        run = sweep["dir"] / r["folder"]
+        epochs = [json.loads(x)["epoch"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert epochs[-1] < EPOCHS  # stopped before its last epoch...
+        assert (run / "checkpoints" / "last.pt").exists()  # ...by SIGTERM, after saving
+        assert "error: stopped by SIGTERM" in (run / "job.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_started_again_ends_with_6_trials_none_lost_the_interrupted_one_resumed(sweep):
+    ended = [r for r in sweep["rows"] if r["state"] in ("COMPLETE", "PRUNED", "FAIL")]
+    assert len(ended) == TRIALS, sweep["rows"]
+    assert not [r for r in sweep["rows"] if r["state"] in ("RUNNING", "WAITING")]
+    by_number = {r["number"]: r for r in sweep["rows"]}
+    for number, r in sweep["before"].items():  # what had ended before the kill: kept, never run again
+        assert {k: by_number[number][k] for k in ("state", "val_acc", "folder")} == \
+               {k: r[k] for k in ("state", "val_acc", "folder")}
+        for name, content in sweep["snapshot"][number].items():
+            assert (sweep["dir"] / r["folder"] / name).read_bytes() == content, f"trial {number}'s {name} changed"
+    retried = {r["folder"]: r for r in sweep["rows"] if r["state"] == "RETRIED"}  # the other slot's run too
+    assert sweep["target"].name in retried
+    for folder, r in retried.items():  # each run again in its own folder, and ended there
+        again = by_number[r["error"].rsplit(" ", 1)[-1]]
+        assert again["folder"] == folder and again["state"] in ("COMPLETE", "PRUNED")
+    assert by_number[retried[sweep["target"].name]["error"].rsplit(" ", 1)[-1]]["state"] == "COMPLETE"
+    log = (sweep["target"] / "job.log").read_text()
+    assert "--resume auto" in log.splitlines()[-1] or "resumed from" in log  # from the first epoch's last.pt
+    epochs = [json.loads(x)["epoch"] for x in (sweep["target"] / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == list(range(1, EPOCHS + 1))
+
+
+@pytest.mark.slow
+def test_a_failing_trial_is_recorded_with_its_error_line_and_the_sweep_goes_on(sweep):
+    failed = [r for r in sweep["rows"] if r["state"] == "FAIL"]
+    assert failed and all(r["model.name"] == "bogus_net" for r in failed)
+    assert failed[0]["error"].startswith("error: bad value for 'model.name': 'bogus_net'")
+    assert any(int(r["number"]) > int(failed[0]["number"]) and r["state"] == "COMPLETE" for r in sweep["rows"])
+    assert f"| {failed[0]['number']} | FAIL |" in (sweep["dir"] / "trials.md").read_text()
+
+
+@pytest.mark.slow
+def test_best_yaml_is_a_recipe_that_config_takes(sweep):
+    from utils.config import load_config
+    cfg = load_config(["--config", str(sweep["dir"] / "best.yaml")])
+    assert (cfg.optim.lr, cfg.model.name) == (0.02, "resnet18")
+    assert (cfg.data.path, cfg.train.epochs, cfg.data.img_size) == (str(sweep["data"]), EPOCHS, 32)  # the command's own
+    assert cfg.output_dir is None
+
+
+@pytest.mark.slow
+def test_a_storage_url_from_the_environment_never_shows_its_password(sweep, monkeypatch):
+    sweep_dir = sweep["root"] / "secret"
+    monkeypatch.setenv("SWEEP_DB", f"postgresql://u:{SECRET}@127.0.0.1:1/db")
+    code, out, err = run_in_process([str(sweep["root"] / "space.yaml"), "--trials", "1", "--dir", str(sweep_dir),
+                                     "--storage", "env:SWEEP_DB", "--", sys.executable, "train.py"])
+    assert code != 0
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: storage postgresql://u:***@127.0.0.1:1/db"), err
+    assert SECRET not in out + err
+    assert "SWEEP_DB" not in os.environ  # read, then out of the environment the trials inherit
+    for path in [*sweep_dir.rglob("*"), *sweep["dir"].rglob("*")]:
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+
+
+def test_a_typo_in_the_space_stops_before_trial_1_in_one_line(tmp_path):
+    (tmp_path / "space.yaml").write_text("optim.lrr: {low: 1e-4, high: 1e-1, log: true}\n")
+    code, out, err = run_in_process([str(tmp_path / "space.yaml"), "--trials", "2", "--dir", str(tmp_path / "sw"),
+                                     "--", sys.executable, "train.py"])
+    assert code == 2
+    assert err.strip() == (f"error: search space '{tmp_path / 'space.yaml'}': unknown config key 'optim.lrr' "
+                           "(did you mean 'optim.lr'?)")
+    assert not (tmp_path / "sw").exists()
