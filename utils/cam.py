@@ -41,9 +41,9 @@ TARGETS = {
     "ConvNeXt": ("features", "nchw"),
     "GoogLeNet": ("inception5b", "nchw"),
     "Inception3": ("Mixed_7c", "nchw"),
-    "VisionTransformer": ("encoder.layers.{last}.ln_1", "tokens"),  # {last}: encoder_layer_N, the last block
+    "VisionTransformer": ("encoder.layers.{last}.ln_1", "tokens"),  # {last}: the container's last child
     "SwinTransformer": ("norm", "nhwc"),     # swin_t/s/b, swin_v2_*: before the head's permute
-    "MaxVit": ("blocks", "nchw"),
+    "MaxVit": ("blocks.{last}", "nchw"),     # blocks is a ModuleList, looped over: its last block
 }
 
 
@@ -69,7 +69,8 @@ def find_target(model, name=None):
         if cls.__name__ in TARGETS and cls.__module__.startswith("torchvision."):
             layer, reshape = TARGETS[cls.__name__]
             if "{last}" in layer:
-                layer = layer.format(last=list(model.encoder.layers.named_children())[-1][0])
+                container = model.get_submodule(layer.split(".{last}")[0])
+                layer = layer.format(last=list(container.named_children())[-1][0])
             return layer, reshape
     timm = _timm_layer(model)
     if timm in modules:
@@ -114,6 +115,9 @@ def grad_cam(model, images, classes, layer, reshape="nchw"):
             # (model.freeze_layers); autograd.grad below computes the activation's gradient alone.
             logits = model(images.detach().float().requires_grad_(True)).float()
             score = logits.gather(1, torch.as_tensor(classes, device=logits.device).view(-1, 1)).sum()
+            if not seen:
+                raise UserError(f"Grad-CAM: the target layer '{layer}' never ran in the forward; set model.cam_layer "
+                                "to a module the forward calls")
             activation = seen[-1]
             grad, = torch.autograd.grad(score, activation)
     finally:
