@@ -8,7 +8,8 @@ a bright patch: its map peaks in that corner. A tiny torchvision ViT gets the ta
 reshape puts each patch token on its grid cell (a from-scratch tiny ViT's Grad-CAM does not reliably peak
 on the patch, although its gradient there does: a property of the method, not of the reshape). One
 in-process train.py run with the gallery on trains bit for bit as one with it off, and its TensorBoard
-picture has three cells per mistake; predict.py --cam writes one overlay per image (or per class asked);
+picture has three cells per mistake; predict.py --cam writes one overlay per image (or per class asked, or
+per predicted label of a multi-label model);
 an unknown class or a model of no known family is one error line.
 """
 import io
@@ -147,3 +148,17 @@ def test_gallery_maps_leave_training_bit_identical_and_predict_writes_overlays(t
         assert e.code != 0
     err = capsys.readouterr().err
     assert "error: --cam-class 'lily' is no class of this model; its classes: daisy, roses, tulips" in err, err
+
+
+def test_a_multi_label_model_gets_one_overlay_per_predicted_label(tmp_path, monkeypatch, capsys):
+    from demo import meadow
+    root = meadow.generate(tmp_path / "set", images=12, min_size=40, max_size=48)
+    out = tmp_path / "run"
+    with single_thread():
+        assert run_main(train, run_args(root, out, f"data.labels={root / 'labels.csv'}", "eval.threshold=0.3",
+                                        epochs=1), monkeypatch) == 0
+        images = sorted(p for p in root.rglob("*") if p.suffix in (".jpg", ".png"))[:4]
+        rows = predict.main([str(out), *map(str, images), "--cam", str(tmp_path / "cam"), "--device", "cpu"])
+    predicted = sum(len(labels) for _, labels, _ in rows)
+    assert predicted > 0 and len(list((tmp_path / "cam").iterdir())) == predicted
+    assert f"{predicted} Grad-CAM overlay(s)" in capsys.readouterr().out
