@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from model import use_channels_last
+from model import create_model, use_channels_last
 from utils import checkpoint as ckpt
 from utils.cli import OUT_OF_MEMORY, out_of_memory
-from utils.config import config_to_dict
+from utils.cam import find_target, gallery_explainer
+from utils.config import config_to_dict, register_check
 from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync,
                                      nondeterministic_op, reduce_min, reduce_sums)
 from utils.errors import RUNTIME_EXIT, UserError
@@ -569,6 +570,22 @@ class _WorstImages:
                 for loss, i, pred, prob, label in merged[:self.k]]
 
 
+def _gallery_cam(model, cfg):
+    """The worst mistakes' Grad-CAM (utils/cam.py) on rank 0: the bare module's forward and backward, so
+    DDP's hooks and collectives stay out; FSDP's sharded model gets none."""
+    bare = ckpt.unwrap(model)
+    return gallery_explainer(bare, cfg.model.cam_layer, sharded=fsdp.is_sharded(model) or fsdp.is_sharded(bare))
+
+
+@register_check
+def check_cam_layer(cfg):
+    """model.cam_layer names a module of the model: checked on its structure alone (the meta device)."""
+    if cfg.model.cam_layer:
+        with torch.device("meta"):
+            find_target(create_model(cfg.model.name, num_classes=2, img_size=cfg.data.img_size,
+                                     channels=cfg.data.channels), cfg.model.cam_layer)
+
+
 # --------------------------------------------------------------------------- multi-label evaluation
 
 class _AllScores:
@@ -896,8 +913,9 @@ def _train_epoch(run, epoch):
         run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
     run_state.epoch = epoch + 1
     run.saver.save(run_state, is_best=is_best)
+    cam = _gallery_cam(run.step.model, cfg) if cfg.train.figures and worst and run.logger.enabled else None
     figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
-                                            run_state.global_step, pr) if cfg.train.figures else 0.0
+                                            run_state.global_step, pr, cam) if cfg.train.figures else 0.0
     metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
                key.replace("val_", "best_"): run_state.best_acc,
                **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
@@ -995,7 +1013,8 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
             figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
                              run_dir / "confusion_matrix.png")
         if cfg.train.worst_images:
-            figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset),
+            cam = _gallery_cam(model, cfg) if val["val_worst"] else None
+            figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset, cam),
                              run_dir / "worst_mistakes.png")
         tmp = run_dir / "eval.json.tmp"
         tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -4,6 +4,8 @@ at or above their thresholds, and each label's probability).
     python predict.py runs/demo data/demo_flowers/daisy                    # a run directory = its best.pt
     python predict.py runs/demo/checkpoints/last.pt photo.jpg 'more/**/*.png' --topk 3
     python predict.py runs/demo folder/ --out preds.json --batch-size 128 --device cuda
+    python predict.py runs/demo data/demo_flowers/daisy --cam runs/demo/cam             # + Grad-CAM overlays
+    python predict.py runs/demo photo.jpg --cam cam/ --cam-class tulips                # the map of one class
 
 PATH is an image, a folder (searched recursively) or a glob. The model, the
 validation transform, the class names and the channels (a grey run's images are
@@ -15,6 +17,10 @@ threshold (from the checkpoint: eval.threshold, or those tuned on validation), a
 --out holds every label's probability. An
 unreadable file is warned about, listed and skipped; the exit is non-zero only
 when no image can be read.
+
+--cam DIR writes, for each image, DIR/<its path>_cam_<class>.png: the image as the model sees it and
+its Grad-CAM map (utils/cam.py) for the top class, or for --cam-class NAME; a multi-label model gets one
+per predicted label. The target layer is the family's (utils/cam.py) or the run's model.cam_layer.
 """
 import csv
 import glob
@@ -30,11 +36,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from data import build_transforms, is_image_file, trained_data_config
 from model import load_trained
+from utils.cam import find_target, maps_for, overlay
 from utils.cli import ArgumentParser, cli_entry
 from utils.decoding import MODES, BadImage, load_image
 from utils.distributed_utils import resolve_device
 from utils.errors import RUNTIME_EXIT, UserError
-from utils.normalization import model_input, normalization_of
+from utils.figures import image_grid, save_png
+from utils.normalization import denormalize, mean_std, model_input, normalization_of
 
 SHOWN = 10  # images in the printed table; the rest go to the file only
 
@@ -132,6 +140,35 @@ def write_predictions(rows, classes, out, topk):
     tmp.replace(out)
 
 
+def write_cams(model, target, rows, classes, cam_dir, cam_class, transform, size, device, batch_size,
+               max_pixels=0, mode="RGB"):
+    """One PNG per (image, class) under cam_dir: the input beside its Grad-CAM overlay. The class:
+    cam_class, else the image's top class, or (multi-label) each label predicted. -> the files written."""
+    paths = [row[0] for row in rows]
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+    files = ImageFiles(paths, transform, size, max_pixels, mode)
+    norm, (mean, std) = normalization_of(files, device), mean_std(files)
+    written = []
+    for start in range(0, len(rows), batch_size):
+        part = range(start, min(start + batch_size, len(rows)))
+        images = torch.stack([files[i][0] for i in part])
+        pairs = [(j, c) for j, i in enumerate(part)
+                 for c in ([cam_class] if cam_class is not None else [k for k, _ in rows[i][1]][:1]
+                           if len(rows[i]) == 2 else [k for k, _ in rows[i][1]])]
+        cams = maps_for(model, model_input(images, device, norm), pairs, *target)
+        shown = denormalize(images, mean, std)
+        for (j, c), cam in zip(pairs, cams):
+            i = part[j]
+            prob = dict(rows[i][1]).get(c) if len(rows[i]) == 2 else rows[i][2][c]
+            name = os.path.splitext(os.path.relpath(os.path.abspath(paths[i]), root))[0].replace(os.sep, "_")
+            out = cam_dir / f"{name}_cam_{classes[c]}.png".replace(os.sep, "_")
+            caption = f"{classes[c]}" + (f" {prob:.0%}" if prob is not None else "")
+            save_png(image_grid(torch.stack([shown[j], overlay(shown[j:j + 1], cam[None])[0]]).expand(-1, 3, -1, -1),
+                                ["input", caption], cell=max(size, 160)), out)
+            written.append(out)
+    return written
+
+
 @cli_entry
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.splitlines()[0])
@@ -142,14 +179,26 @@ def main(argv=None):
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     ap.add_argument("--workers", type=int, default=-1, help="decoding processes; -1 = min(4, CPU cores)")
     ap.add_argument("--out", help="FILE.csv or FILE.json (default: predictions.csv in the run directory)")
+    ap.add_argument("--cam", metavar="DIR", help="also write a Grad-CAM overlay PNG per image into DIR")
+    ap.add_argument("--cam-class", metavar="NAME", help="--cam's class (default: each image's top class)")
     args = ap.parse_args(argv)
     # Everything a user can get wrong is checked before the model is loaded or an image decoded.
     if args.out and Path(args.out).suffix.lower() not in (".csv", ".json"):
         raise UserError(f"--out '{args.out}' must end in .csv or .json")
     if args.topk < 1 or args.batch_size < 1:
         raise UserError("--topk and --batch-size must be at least 1")
+    if args.cam_class and not args.cam:
+        raise UserError("--cam-class needs --cam DIR (where the overlays go)")
     device = resolve_device(args.device)
     model, classes, config, ckpt_path = load_trained(args.source)
+    cam_class, target = None, None
+    if args.cam:
+        if args.cam_class is not None and args.cam_class not in classes:
+            raise UserError(f"--cam-class '{args.cam_class}' is no class of this model; its classes: {', '.join(classes)}")
+        cam_class = classes.index(args.cam_class) if args.cam_class is not None else None
+        target = find_target(model, (config.get("model") or {}).get("cam_layer"))
+        if Path(args.cam).exists() and not Path(args.cam).is_dir():
+            raise UserError(f"--cam '{args.cam}' is a file, not a folder")
     paths = find_images(args.paths)
     run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
     out = Path(args.out) if args.out else run_dir / "predictions.csv"
@@ -177,6 +226,11 @@ def main(argv=None):
     if len(rows) > SHOWN:
         print(f"... and {len(rows) - SHOWN} more")
     write_predictions(rows, classes, out, topk)
+    if args.cam:
+        Path(args.cam).mkdir(parents=True, exist_ok=True)
+        cams = write_cams(model, target, rows, classes, Path(args.cam), cam_class, transform, size, device,
+                          args.batch_size, int(data_cfg["max_image_pixels"]), mode=MODES[channels])
+        print(f"{len(cams)} Grad-CAM overlay(s) (layer {target[0]}) written to {args.cam}")
     print(f"{len(rows)} image(s) in {seconds:.1f}s ({len(paths) / max(seconds, 1e-9):.0f} img/s on {device})"
           + (f", {len(bad)} unreadable skipped: " + ", ".join(p for p, _ in bad) if bad else "")
           + (f"; labels at their thresholds and every label's probability written to {out}" if thresholds

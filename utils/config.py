@@ -69,6 +69,7 @@ class ModelConfig:
     bn_momentum: Optional[float] = MISSING
     activation_checkpointing: bool = MISSING
     blocks: List[str] = MISSING
+    cam_layer: Optional[str] = MISSING
 
 
 @dataclass

@@ -21,7 +21,8 @@ import warnings
 import numpy as np
 import torch
 
-from utils.normalization import denormalize, mean_std
+from utils.cam import overlay
+from utils.normalization import denormalize, mean_std, model_input, normalization_of
 
 # ColorBrewer's 9-class "Blues" (matplotlib's "Blues" colormap): light for 0, dark blue for 1.
 _BLUES = np.array([[247, 251, 255], [222, 235, 247], [198, 219, 239], [158, 202, 225], [107, 174, 214],
@@ -201,11 +202,16 @@ def sample_picture(logger, images, labels, classes, dataset, global_step):
                  global_step)
 
 
-def worst_picture(worst, classes, dataset):
+def worst_picture(worst, classes, dataset, cam=None):
     """The worst mistakes as an image grid: each with true class, predicted class and probability;
-    multi-label: the true label set over the predicted one, and the image's loss."""
+    multi-label: the true label set over the predicted one, and the image's loss. With `cam`
+    (utils.cam.Explainer) each image is followed by its Grad-CAM maps for the predicted and the true
+    class (multi-label: a wrongly predicted label and a missed one, where there is one)."""
     mean, std = mean_std(dataset)
-    shown = denormalize(torch.stack([dataset[w["index"]][0] for w in worst]), mean, std) if worst else []
+    pixels = torch.stack([dataset[w["index"]][0] for w in worst]) if worst else None
+    shown = denormalize(pixels, mean, std) if worst else []
+    if worst and cam is not None:
+        return _worst_with_maps(worst, classes, dataset, cam, pixels, shown)
     if worst and "labels" in worst[0]:
         def names(ids):
             return ";".join(classes[c] for c in ids) or "(none)"
@@ -218,10 +224,39 @@ def worst_picture(worst, classes, dataset):
                       cols=min(8, max(len(worst), 1)))
 
 
-def epoch_pictures(logger, val, worst, classes, dataset, global_step, pr=None):
+def _worst_with_maps(worst, classes, dataset, cam, pixels, shown):
+    """worst_picture's grid with three cells per mistake: the image, the map of the predicted class and
+    the map of the true class, three mistakes a row."""
+    pairs, titles, cells = [], [], []
+    for i, w in enumerate(worst):
+        if "labels" in w:  # multi-label: one false positive and one missed label, the first of each
+            pred = next((c for c in w["preds"] if c not in w["labels"]), None)
+            true = next((c for c in w["labels"] if c not in w["preds"]), None)
+            titles.append(f"loss {w['loss']:.2f}")
+        else:
+            pred, true = w["pred"], w["label"]
+            titles.append(f"{classes[true]} -> {classes[pred]}\n{w['prob']:.0%}")
+        for what, c in (("predicted", pred), ("true", true)):
+            titles.append(f"{what}: {classes[c]}" if c is not None else f"{what}: (none)")
+            if c is not None:
+                pairs.append((i, c))
+        cells.append((pred, true))
+    maps = iter(cam.maps(model_input(pixels, cam.device, normalization_of(dataset, cam.device)), pairs))
+    panels = []
+    for i, (pred, true) in enumerate(cells):
+        panels.append(shown[i].expand(3, -1, -1))
+        for c in (pred, true):
+            panels.append(overlay(shown[i:i + 1], next(maps)[None])[0] if c is not None else torch.ones_like(panels[-1]))
+    return image_grid(torch.stack(panels), titles, colours=["firebrick", "black", "black"] * len(worst),
+                      title="worst mistakes (true -> predicted), Grad-CAM of the predicted and the true class",
+                      cols=3 * min(3, len(worst)))
+
+
+def epoch_pictures(logger, val, worst, classes, dataset, global_step, pr=None, cam=None):
     """Rank 0 draws the epoch's confusion matrix and worst mistakes; returns the seconds it took.
     Multi-label (`pr`: every image's probabilities and 0/1 targets): the per-label F1 bars and a
-    precision-recall curve per label instead of the confusion matrix."""
+    precision-recall curve per label instead of the confusion matrix. `cam` (utils.cam.Explainer or None):
+    the worst mistakes with their Grad-CAM maps."""
     if not logger.enabled:
         return 0.0
     start = time.perf_counter()
@@ -233,5 +268,5 @@ def epoch_pictures(logger, val, worst, classes, dataset, global_step, pr=None):
     else:
         logger.image("val/confusion_matrix", confusion_matrix_image(val["val_confusion"], classes), global_step)
     if worst is not None:  # train.worst_images > 0; also when there was no mistake
-        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset), global_step)
+        logger.image("val/worst_mistakes", worst_picture(worst, classes, dataset, cam), global_step)
     return round(time.perf_counter() - start, 4)

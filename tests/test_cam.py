@@ -1,0 +1,164 @@
+"""Grad-CAM (utils/cam.py) where the evidence is known, and what predict.py --cam and the worst-mistakes
+gallery show.
+
+    python -m pytest tests/test_cam.py -q
+
+A small CNN (the user's own model, model.cam_layer) learns in-process that the class is the corner holding
+a bright patch: its map peaks in that corner. A tiny torchvision ViT gets the table's layer and the tokens'
+reshape puts each patch token on its grid cell (a from-scratch tiny ViT's Grad-CAM does not reliably peak
+on the patch, although its gradient there does: a property of the method, not of the reshape). One
+in-process train.py run with the gallery on trains bit for bit as one with it off, and its TensorBoard
+picture has three cells per mistake; predict.py --cam writes one overlay per image (or per class asked, or
+per predicted label of a multi-label model);
+an unknown class or a model of no known family is one error line.
+"""
+import io
+import json
+from collections import OrderedDict
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+from torch import nn
+
+import model as model_py
+import predict
+import train
+from _resume_utils import assert_same_weights, run_args, run_main, single_thread
+from conftest import make_image_folder
+from test_figures import accumulate
+from utils.cam import Explainer, find_target, to_map
+from utils.errors import UserError
+
+CORNERS = 4  # class k: the bright patch in corner k (top-left, top-right, bottom-left, bottom-right)
+
+
+def corner_images(n, size=32, patch=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    images = torch.rand(n, 3, size, size, generator=g) * 0.3
+    labels = torch.arange(n) % CORNERS
+    for i, k in enumerate(labels.tolist()):
+        y, x = (k // 2) * (size - patch), (k % 2) * (size - patch)
+        images[i, :, y:y + patch, x:x + patch] = 1.0
+    return images, labels
+
+
+def tiny_cnn(num_classes):
+    """A CNN with an 8 x 8 grid left at 32 px (torchvision's are at 1 x 1 there): model.cam_layer=features."""
+    return nn.Sequential(OrderedDict(
+        features=nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                               nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        pool=nn.AdaptiveAvgPool2d(1), flatten=nn.Flatten(), fc=nn.Linear(32, num_classes)))
+
+
+def tiny_vit(num_classes):
+    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                hidden_dim=32, mlp_dim=64, num_classes=num_classes)
+
+
+def trained(net, steps, lr):
+    images, labels = corner_images(256)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    net.train()
+    for step in range(steps):
+        batch = slice((step * 32) % 256, (step * 32) % 256 + 32)
+        loss = nn.functional.cross_entropy(net(images[batch]), labels[batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return net.eval()
+
+
+def peaks_in_corners(net, layer=None):
+    images, labels = corner_images(8, seed=1)
+    with torch.no_grad():
+        right = net(images).argmax(1) == labels
+    assert right.sum() >= 6  # it learnt the rule; the maps of the images it gets right are judged
+    images, labels = images[right], labels[right]
+    maps = Explainer(net, layer).maps(images, list(enumerate(labels.tolist())))
+    peak = maps.flatten(1).argmax(1)
+    rows, cols = peak // 32, peak % 32
+    return [(int(r) >= 16, int(c) >= 16) for r, c in zip(rows, cols)] == [(k >= 2, k % 2 == 1) for k in labels.tolist()]
+
+
+def test_the_map_peaks_in_the_evidence_corner_and_vit_tokens_land_on_their_patch(monkeypatch):
+    for name, constructor in (("tiny_cnn", tiny_cnn), ("tiny_vit", tiny_vit)):
+        monkeypatch.setitem(model_py.MODELS, name, constructor)  # the user's own models, as model.py has them
+    torch.manual_seed(0)
+    with single_thread():
+        cnn = trained(model_py.create_model("tiny_cnn", num_classes=CORNERS), steps=60, lr=3e-3)
+        assert peaks_in_corners(cnn, "features")  # model.cam_layer's path
+        vit = model_py.create_model("tiny_vit", num_classes=CORNERS)
+        layer, reshape = find_target(vit)  # the table's ViT entry, found by class
+        assert (layer, reshape) == ("encoder.layers.encoder_layer_1.ln_1", "tokens")
+        assert Explainer(vit).maps(torch.rand(2, 3, 32, 32), [(0, 1), (1, 2)]).shape == (2, 32, 32)
+    # The tokens' reshape: the class token dropped, patch token t at grid cell (t // 4, t % 4), as
+    # conv_proj's flatten laid them out.
+    tokens = torch.arange(1 + 16, dtype=torch.float32).view(1, 17, 1).expand(1, 17, 3)
+    grid = to_map(tokens, reshape)
+    assert grid.shape == (1, 3, 4, 4) and grid[0, 0].flatten().tolist() == list(range(1, 17))
+
+
+def test_an_unknown_family_or_layer_is_one_line_naming_the_key():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    try:
+        find_target(net)
+    except UserError as e:
+        assert "set model.cam_layer" in str(e) and "0, 1, 2" in str(e)  # the candidates: its modules' names
+    else:
+        raise AssertionError("no error")
+    assert find_target(net, "1") == ("1", "auto")
+    assert Explainer(net, "1").maps(torch.rand(2, 3, 16, 16), [(0, 1), (1, 0)]).shape == (2, 16, 16)
+
+
+def test_gallery_maps_leave_training_bit_identical_and_predict_writes_overlays(tmp_path, monkeypatch, capsys):
+    data = make_image_folder(tmp_path / "flowers", per_class=4, classes=("daisy", "roses", "tulips"))
+    runs = {}
+    with single_thread():
+        for figures in ("true", "false"):
+            runs[figures] = tmp_path / f"figures-{figures}"
+            assert run_main(train, run_args(data, runs[figures], f"train.figures={figures}", "train.worst_images=4",
+                                            "data.val_rate=0.5", epochs=2), monkeypatch) == 0
+        assert_same_weights(runs["true"] / "checkpoints" / "last.pt", runs["false"] / "checkpoints" / "last.pt")
+        pictures = accumulate(runs["true"]).Images("val/worst_mistakes")
+        assert len(pictures) == 2
+        last = json.loads((runs["true"] / "metrics.jsonl").read_text().splitlines()[-1])
+        k = min(4, last["val_count"] - round(last["val_acc"] * last["val_count"]))  # the mistakes pictured
+        assert k >= 1
+        # Three cells per mistake (the image, the predicted class's map, the true class's), three mistakes
+        # a row: count the cells crossed by a line through the first row's middle (title 28, caption 30).
+        row = np.asarray(Image.open(io.BytesIO(pictures[-1].encoded_image_string)).convert("RGB"))[28 + 30 + 56]
+        inside = (row != 255).any(axis=1).astype(int)
+        assert int((np.diff(inside) == 1).sum()) == 3 * min(3, k)
+
+        cam_dir = tmp_path / "cam"
+        rows = predict.main([str(runs["true"]), str(data / "daisy"), "--cam", str(cam_dir), "--device", "cpu"])
+        assert "4 Grad-CAM overlay(s) (layer layer4)" in capsys.readouterr().out
+        written = sorted(p.name for p in cam_dir.iterdir())
+        assert written == sorted(f"{p.rsplit('/', 1)[-1][:-4]}_cam_{['daisy', 'roses', 'tulips'][top[0][0]]}.png"
+                                 for p, top in rows)
+        assert Image.open(cam_dir / written[0]).size == (2 * (160 + 8), 160 + 30 + 8)  # input | overlay, 160 px
+        predict.main([str(runs["true"]), str(data / "daisy"), "--cam", str(cam_dir), "--cam-class", "roses",
+                      "--device", "cpu"])
+        assert len(list(cam_dir.glob("*_cam_roses.png"))) == 4
+    try:
+        predict.main([str(runs["true"]), str(data / "daisy"), "--cam", str(cam_dir), "--cam-class", "lily"])
+    except SystemExit as e:
+        assert e.code != 0
+    err = capsys.readouterr().err
+    assert "error: --cam-class 'lily' is no class of this model; its classes: daisy, roses, tulips" in err, err
+
+
+def test_a_multi_label_model_gets_one_overlay_per_predicted_label(tmp_path, monkeypatch, capsys):
+    from demo import meadow
+    root = meadow.generate(tmp_path / "set", images=12, min_size=40, max_size=48)
+    out = tmp_path / "run"
+    with single_thread():
+        assert run_main(train, run_args(root, out, f"data.labels={root / 'labels.csv'}", "eval.threshold=0.3",
+                                        epochs=1), monkeypatch) == 0
+        images = sorted(p for p in root.rglob("*") if p.suffix in (".jpg", ".png"))[:4]
+        rows = predict.main([str(out), *map(str, images), "--cam", str(tmp_path / "cam"), "--device", "cpu"])
+    predicted = sum(len(labels) for _, labels, _ in rows)
+    assert predicted > 0 and len(list((tmp_path / "cam").iterdir())) == predicted
+    assert f"{predicted} Grad-CAM overlay(s)" in capsys.readouterr().out
