@@ -49,8 +49,9 @@ def average_precision(probs, targets):
 
 def best_f1_thresholds(probs, targets, default):
     """Per label, the threshold that maximises its F1 on these scores: halfway between the score
-    that scores best (the highest, on a tie) and the next lower one. A label whose best F1 is 0
-    (no positive) keeps its `default`."""
+    that scores best (the highest, on a tie) and the next lower one, or half the lowest score when
+    that is the best: a threshold never sits on a score, where rounding would flip the label.
+    A label whose best F1 is 0 (no positive) keeps its `default`."""
     out = default.clone()
     for c in range(probs.shape[1]):
         s, tp, seen, last = _ranked(probs[:, c], targets[:, c])
@@ -61,7 +62,7 @@ def best_f1_thresholds(probs, targets, default):
         best = int(f1.argmax())  # the first maximum: the highest such threshold
         if f1[best] > 0:
             nxt = last[best] + 1
-            out[c] = (s[last[best]] + s[nxt]) / 2 if nxt < len(s) else s[last[best]]
+            out[c] = (s[last[best]] + (s[nxt] if nxt < len(s) else 0)) / 2
     return out
 
 
