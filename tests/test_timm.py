@@ -133,11 +133,13 @@ def fake_hf_cache(root, arch_tag, state):
 
 def test_pretrained_weights_come_from_the_local_hugging_face_cache_only(tmp_path, monkeypatch, capsys):
     """HF_HOME points at the test's cache; huggingface_hub reads it at its import (HF_HUB_CACHE), so that is
-    set too. No socket may connect: nothing is downloaded."""
+    set too. No host name may be looked up and no socket connect: nothing is downloaded (pytest.fail's
+    exception is no Exception, so no library's retry or cache fallback can swallow it)."""
     from huggingface_hub import constants
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(socket.socket, "connect", lambda *a: pytest.fail(f"a download was tried: {a}"))
+    for obj, name in ((socket, "getaddrinfo"), (socket, "create_connection"), (socket.socket, "connect")):
+        monkeypatch.setattr(obj, name, lambda *a, **k: pytest.fail(f"a download was tried: {a}"))
     torch.manual_seed(3)
     imagenet = timm.create_model("test_resnet", num_classes=1000).state_dict()
     path = fake_hf_cache(tmp_path / "hub", "test_resnet.r160_in1k", imagenet)
