@@ -11,10 +11,17 @@ sigmoid with each label's threshold for a multi-label model). Before
 the file is put in place its outputs are compared with PyTorch's on a batch of
 another size than the one exported with; the max abs diff is printed, and over
 1e-4 nothing is written.
+
+Then its speed: the median latency of the exported file (in ONNX Runtime, or TorchScript) against the
+eager model, on the same random inputs, batch 1 and batch 32, on the CPU the export runs on. The
+two alternate call by call (eager, exported, eager, ...), so a load change on a shared machine
+hits both alike: the ratio is what counts. --speed-repeats N calls each (default 10; 0 skips it).
 """
 import inspect
 import json
+import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -28,6 +35,7 @@ from utils.normalization import FORMULA, mean_std
 
 FORMATS = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
 TOLERANCE = 1e-4
+SPEED_BATCHES = (1, 32)
 
 
 def export_torchscript(model, example, path):
@@ -54,8 +62,31 @@ def export_onnx(model, example, path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (example,), str(path), **kwargs)
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # As many threads as torch's, so that the speed table compares the two on the same cores.
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return lambda x: torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+
+
+def speed(model, run, shape, repeats):
+    """[(batch, eager ms, exported ms)]: the median of `repeats` calls each, interleaved, after two
+    warm-up calls each (TorchScript's profiling executor optimises on its second call)."""
+    rows, gen = [], torch.Generator().manual_seed(1)
+    for batch in SPEED_BATCHES:
+        x = torch.randn(batch, *shape, generator=gen)
+        times = ([], [])
+        with torch.inference_mode():
+            for _ in range(2):
+                model(x)
+                run(x)
+            for _ in range(repeats):
+                for f, kept in zip((model, run), times):
+                    start = time.perf_counter()
+                    f(x)
+                    kept.append((time.perf_counter() - start) * 1e3)
+        rows.append((batch, statistics.median(times[0]), statistics.median(times[1])))
+    return rows
 
 
 @cli_entry
@@ -64,9 +95,13 @@ def main(argv=None):
     ap.add_argument("source", help="run directory (its checkpoints/best.pt) or checkpoint file")
     ap.add_argument("--format", required=True, help="torchscript or onnx")
     ap.add_argument("--out", help="output file (default: beside the checkpoint, .torchscript.pt or .onnx)")
+    ap.add_argument("--speed-repeats", type=int, default=10, metavar="N",
+                    help="latency vs eager: N interleaved calls each at batch 1 and 32 (default 10; 0: skip)")
     args = ap.parse_args(argv)
     if args.format not in FORMATS:
         raise UserError(f"unknown --format '{args.format}'; choose torchscript or onnx")
+    if args.speed_repeats < 0:
+        raise UserError(f"--speed-repeats {args.speed_repeats}: give a count of calls, or 0 to skip the timing")
     model, classes, config, ckpt_path = load_trained(args.source)
     out = Path(args.out) if args.out else ckpt_path.with_suffix(FORMATS[args.format])
     if not out.parent.is_dir():
@@ -105,6 +140,15 @@ def main(argv=None):
                       f"center-crop `input_size`, {FORMULA}",
     }, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{args.format}: {out} (+ {sidecar.name}); max abs diff vs PyTorch on a batch of 3: {diff:.2e}")
+    if args.speed_repeats:
+        engine = "ONNX Runtime" if args.format == "onnx" else "TorchScript"
+        threads = torch.get_num_threads()
+        print(f"speed on the CPU ({threads} thread{'s' if threads > 1 else ''} each), median ms per call of "
+              f"{args.speed_repeats} interleaved calls each; {engine} vs eager PyTorch:")
+        print(f"{'batch':>7} {'eager ms':>10} {args.format + ' ms':>14} {'ratio':>7}")
+        for batch, eager, exported in speed(model, run, (channels, size, size), args.speed_repeats):
+            print(f"{batch:>7} {eager:>10.2f} {exported:>14.2f} {exported / eager:>7.2f}")
+        print("ratio: exported / eager time (below 1: the exported model is faster)")
     return diff
 
 

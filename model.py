@@ -1,8 +1,11 @@
-"""The network: any torchvision classification model by name, or your own nn.Module.
+"""The network: any torchvision classification model by name, one of timm's, or your own nn.Module.
 
     model.name=resnet34              # any name of torchvision.models.list_models(module=torchvision.models)
+    model.name=timm/convnext_nano    # any timm.list_models() name (pip install timm: optional)
     model.name=my_net                # your own: add it to MODELS below
-    model.pretrained=DEFAULT         # torchvision weights, read from the local torch hub cache only
+    model.pretrained=DEFAULT         # torchvision weights, read from the local torch hub cache only;
+                                     # for timm/<name>: its default tag (or a tag, a1_in1k...), from the
+                                     # local Hugging Face cache only
 
 The scripts call `build_model`. The classifier head is found generically
 (`find_head`): it is what gets sized to the dataset's classes, replaced after
@@ -12,9 +15,11 @@ Grey images (data.channels=1): the first convolution, found generically too
 (`find_first_conv`), reads one channel, its RGB kernels summed (`adapt_first_conv`).
 """
 import difflib
+import functools
 import inspect
 import os
 import re
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -44,6 +49,10 @@ MODELS = {}
 _OPTIONAL_KWARGS = {"zero_init_residual": True, "aux_logits": False}
 # Families whose position embeddings fix the input size: the builder keyword that sets it.
 _SIZE_KWARG = {"vit_": "image_size", "maxvit_": "input_size"}
+# model.name=timm/<name>: timm.create_model(<name>). timm is imported only then (an optional dependency).
+TIMM_PREFIX = "timm/"
+# A timm model's weights in its Hugging Face repository, in the order timm itself tries them.
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def torchvision_names():
@@ -52,6 +61,73 @@ def torchvision_names():
 
 def _size_kwarg(name):
     return next((kw for prefix, kw in _SIZE_KWARG.items() if name.startswith(prefix)), None)
+
+
+def is_timm(name):
+    return str(name).startswith(TIMM_PREFIX) and name not in MODELS
+
+
+def _timm(name):
+    """The timm package, imported for a timm/<name> model only: one error line where it is missing."""
+    try:
+        import timm
+    except ImportError:
+        raise UserError(f"model.name={name} is a timm model and timm is not installed: pip install timm") from None
+    return timm
+
+
+def _check_timm(name, pretrained):
+    """timm/<name>: a timm architecture, its pretrained tag (after a dot, or model.pretrained) one that timm
+    knows, and the weights in the cache."""
+    timm = _timm(name)
+    arch = name[len(TIMM_PREFIX):]
+    if not timm.is_model(arch):
+        guess = difflib.get_close_matches(arch, timm.list_models(), n=1)
+        raise UserError(f"bad value for 'model.name': '{arch}' is no timm model (timm.list_models())"
+                        + (f" (did you mean '{TIMM_PREFIX}{guess[0]}'?)" if guess else ""))
+    if pretrained:
+        timm_weights(name, pretrained)
+    elif "." in arch:
+        _timm_pretrained_cfg(timm, name, "DEFAULT")
+
+
+def _timm_pretrained_cfg(timm, name, pretrained):
+    """timm/<arch>[.<tag>] and model.pretrained (DEFAULT: the name's tag, else timm's default one; or a
+    tag: a1_in1k...) -> timm's pretrained config of those weights; one error line if timm has none."""
+    arch, _, tag = name[len(TIMM_PREFIX):].partition(".")
+    what = f"model.pretrained={pretrained}" if pretrained != "DEFAULT" or not tag else f"model.name={name}"
+    tag = tag if pretrained == "DEFAULT" else pretrained
+    tags = [n.partition(".")[2] for n in timm.list_pretrained(f"{arch}.*")]
+    if not tags:
+        raise UserError(f"{what}: timm has no pretrained weights for {arch}; use --weights FILE")
+    if tag and tag not in tags:
+        guess = difflib.get_close_matches(tag, tags, n=1)
+        raise UserError(f"{what}: timm has no weights '{tag}' for {arch}" + (f" (did you mean '{guess[0]}'?)" if guess
+                        else "") + f"; choose one of {', '.join(tags)}")
+    return timm.models.get_pretrained_cfg(f"{arch}.{tag}" if tag else arch)
+
+
+def timm_weights(name, pretrained):
+    """timm/<name> with model.pretrained -> (<arch>.<tag>, its weights file in the local Hugging Face cache).
+    Nothing is downloaded: a file not in the cache is one error line that names where it is looked for."""
+    from huggingface_hub import constants, try_to_load_from_cache  # a dependency of timm's
+    cfg = _timm_pretrained_cfg(_timm(name), name, pretrained)
+    full = f"{cfg.architecture}.{cfg.tag}"
+    if not cfg.hf_hub_id:
+        raise UserError(f"model.pretrained: timm's weights {full} are not on the Hugging Face hub; on a machine "
+                        f"with internet download {cfg.url} and pass it as --weights FILE")
+    repo, _, revision = cfg.hf_hub_id.partition("@")
+    files = (cfg.hf_hub_filename,) if cfg.hf_hub_filename else HF_WEIGHT_FILES
+    for file in files:
+        path = try_to_load_from_cache(repo, file, revision=revision or None)  # reads the cache folder only
+        if isinstance(path, str):
+            return full, Path(path)
+    cache = Path(constants.HF_HUB_CACHE)  # $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
+    folder = f"models--{repo.replace('/', '--')}"
+    raise UserError(f"pretrained weights {TIMM_PREFIX}{full} are not in the local Hugging Face cache: expected "
+                    f"{cache / folder / 'snapshots' / '<commit>' / files[0]} (nothing is downloaded here); on a "
+                    f"machine with internet run `hf download {repo} {files[0]}` and copy the {folder} folder of "
+                    f"its cache into {cache}")
 
 
 def _weights(name, pretrained):
@@ -77,7 +153,7 @@ def hub_file(weights):
 def check_model_config(cfg):
     """Run by utils/config.py at config time, before any data is read."""
     check_model(cfg.model.name, cfg.model.pretrained, cfg.data.img_size)
-    if cfg.data.channels != 3:
+    if cfg.data.channels != 3 and not is_timm(cfg.model.name):  # timm builds for in_chans itself
         try:  # the structure alone, on the meta device: no memory, no initialisation, no weights read
             with torch.device("meta"):
                 create_model(cfg.model.name, num_classes=2, img_size=cfg.data.img_size, channels=cfg.data.channels)
@@ -90,6 +166,8 @@ def check_model_config(cfg):
 def check_model(name, pretrained=None, size=None):
     """The model name, the pretrained weights and their cached file, and the input size of
     ViT-like models: one error line each, before anything is built."""
+    if is_timm(name):
+        return _check_timm(name, pretrained)
     known = list(MODELS) + torchvision_names()
     if name not in known:
         guess = difflib.get_close_matches(name, known, n=1)
@@ -112,9 +190,9 @@ def check_model(name, pretrained=None, size=None):
                             f"internet fetch it with: curl -L -o {path.name} {weights.url}")
 
 
-def _call_builder(builder, kwargs):
-    """builder(**kwargs) plus each of _OPTIONAL_KWARGS the builder's model class accepts."""
-    optional = dict(_OPTIONAL_KWARGS)
+def _call_builder(builder, kwargs, optional=_OPTIONAL_KWARGS):
+    """builder(**kwargs) plus each of `optional` the builder's model class accepts."""
+    optional = dict(optional)
     while True:
         try:
             return builder(**kwargs, **optional)
@@ -126,8 +204,14 @@ def _call_builder(builder, kwargs):
 
 
 def find_head(model, num_classes=None):
-    """(qualified name, module) of the classifier: the last Linear with `num_classes` outputs,
-    else the last such Conv2d (SqueezeNet); without `num_classes`, the last Linear. None if absent."""
+    """(qualified name, module) of the classifier: what a timm model's get_classifier() names, else the
+    last Linear with `num_classes` outputs, else the last such Conv2d (SqueezeNet); without
+    `num_classes`, the last Linear. None if absent."""
+    if callable(getattr(model, "get_classifier", None)):
+        head = model.get_classifier()
+        named = next(((n, m) for n, m in model.named_modules() if n and m is head), None)
+        if named and any(True for _ in head.parameters()):  # not nn.Identity (num_classes=0)
+            return named
     found = {nn.Linear: None, nn.Conv2d: None}
     for name, module in model.named_modules():
         outputs = getattr(module, "out_features", getattr(module, "out_channels", None))
@@ -206,8 +290,8 @@ def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None,
     the model reads grey images (adapt_first_conv)."""
     check_model(name, pretrained, img_size)  # also here for callers that skip the config (tests, tools)
     model = _create(name, num_classes, img_size, pretrained, log, channels)
-    if channels != 3:
-        conv = adapt_first_conv(model, name, channels)
+    if channels != 3:  # timm builds for in_chans itself (and sums pretrained RGB kernels as we do)
+        conv = model.pretrained_cfg.get("first_conv") if is_timm(name) else adapt_first_conv(model, name, channels)
         if log:
             log(f"data.channels={channels}: the first convolution '{conv}' of {name} reads {channels} channel"
                 + (" (its pretrained RGB kernels summed)" if pretrained else ""))
@@ -220,6 +304,8 @@ def _create(name, num_classes, img_size, pretrained, log, channels):
         if _takes(constructor, "in_chans"):
             return constructor(num_classes=num_classes, in_chans=channels)
         return constructor(num_classes=num_classes)
+    if is_timm(name):
+        return _create_timm(name, num_classes, img_size, pretrained, log, channels)
     builder = torchvision.models.get_model_builder(name)
     kwargs = {}
     if img_size and _size_kwarg(name):
@@ -238,6 +324,30 @@ def _create(name, num_classes, img_size, pretrained, log, channels):
         log(f"pretrained {name} {weights} from {path}: {loaded} tensors loaded; head '{head}' replaced "
             f"({getattr(old, 'out_features', getattr(old, 'out_channels', '?'))} -> {num_classes} classes, "
             "freshly initialised)")
+    return model
+
+
+def _create_timm(name, num_classes, img_size, pretrained, log, channels):
+    """timm.create_model for data.channels (in_chans) and data.img_size (img_size, for the models that take
+    it: ViT, Swin...). Pretrained: the cached file (timm_weights) through timm's own loader, which leaves
+    out a classifier of another class count and sums RGB kernels for one channel."""
+    arch = name[len(TIMM_PREFIX):]
+    kwargs = {"pretrained": False, "num_classes": num_classes, "in_chans": channels}
+    if pretrained:
+        arch, path = timm_weights(name, pretrained)
+        kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(path)})  # timm reads this file only
+    builder = functools.partial(_timm(name).create_model, arch)
+    try:
+        model = _call_builder(builder, kwargs, {"img_size": img_size} if img_size else {})
+    except (RuntimeError, ValueError, EOFError, OSError) as e:
+        if not pretrained:
+            raise
+        raise UserError(f"cannot load pretrained weights {TIMM_PREFIX}{arch} from {path}: {str(e).splitlines()[0]}")
+    if pretrained and log:
+        head, _ = find_head(model)
+        kept = model.pretrained_cfg.get("num_classes") == num_classes
+        log(f"pretrained {TIMM_PREFIX}{arch} from {path}; head '{head}' "
+            + ("loaded" if kept else f"freshly initialised for {num_classes} classes"))
     return model
 
 
@@ -300,13 +410,41 @@ class FrozenBatchNorm2d(tv_misc.FrozenBatchNorm2d):
         return x * scale.to(x.dtype).reshape(1, -1, 1, 1) + shift.to(x.dtype).reshape(1, -1, 1, 1)
 
 
+class FrozenBatchNormAct2d(FrozenBatchNorm2d):
+    """timm's BatchNormAct2d (EfficientNet, RegNet...) frozen: the normalisation above, then the layer's own
+    dropout and activation, kept as they were (so the state_dict's names are the layer's)."""
+
+    def __init__(self, num_features, eps, drop, act):
+        super().__init__(num_features, eps=eps)
+        self.drop, self.act = drop, act
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+def _frozen(module):
+    """A frozen copy of a BatchNorm2d (or of timm's BatchNormAct2d) with its weights and statistics;
+    None for any other module."""
+    timm_layers = sys.modules.get("timm.layers")  # imported where a timm model was built, else none is here
+    if type(module) is nn.BatchNorm2d:
+        frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
+    elif timm_layers is not None and type(module) is timm_layers.BatchNormAct2d:
+        frozen = FrozenBatchNormAct2d(module.num_features, module.eps, module.drop, module.act)
+    else:
+        return None
+    for key in ("weight", "bias", "running_mean", "running_var"):
+        getattr(frozen, key).copy_(getattr(module, key).detach())
+    return frozen
+
+
 def freeze_all_but_head(model, num_classes=None):
     """Train only the classifier head (find_head); returns its name.
 
     Every other parameter stops training, and every BatchNorm outside the head becomes a
     FrozenBatchNorm2d: a frozen BatchNorm left in train mode would still normalise with batch
     statistics and update its running mean and var, so the "frozen" backbone would drift.
-    FrozenBatchNorm2d uses the stored statistics in any mode, also after model.train().
+    FrozenBatchNorm2d uses the stored statistics in any mode, also after model.train(); timm's
+    BatchNormAct2d becomes a FrozenBatchNormAct2d.
     """
     found = find_head(model, num_classes)
     if found is None or not any(True for _ in found[1].parameters()):
@@ -320,11 +458,9 @@ def freeze_all_but_head(model, num_classes=None):
         p.requires_grad_(True)
     in_head = {id(m) for m in head.modules()}
     for name, module in list(model.named_modules()):
-        if (type(module) is nn.BatchNorm2d and id(module) not in in_head and module.affine
-                and module.track_running_stats):
-            frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
-            for key in ("weight", "bias", "running_mean", "running_var"):
-                getattr(frozen, key).copy_(getattr(module, key).detach())
+        frozen = (_frozen(module) if id(module) not in in_head and getattr(module, "affine", False)
+                  and getattr(module, "track_running_stats", False) else None)
+        if frozen is not None:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, frozen)
     return head_name

@@ -8,6 +8,8 @@ rank holds the full weights of one block at a time, plus its own shards.
 
 The blocks, and the model.blocks key that names them instead:
     torchvision ResNets     layer1 ... layer4 (the stages)
+    timm models             the parts of their `stages` (ConvNeXt, MaxViT, RegNet...), else of `blocks`
+                            (ViT, EfficientNet...), else of `layers` (Swin); timm's ResNets: layer1 ... layer4
     anything else           the parts with weights of each outermost nn.Sequential / nn.ModuleList
                             that holds two or more (ViT: encoder.layers.N; ConvNeXt, EfficientNet,
                             MobileNet, Swin: features.N, and the classifier's layers); a MODELS
@@ -83,6 +85,27 @@ def _has_params(module):
     return any(True for _ in module.parameters())
 
 
+# Where timm's models keep their blocks, in the order looked for (model.name=timm/<name>).
+TIMM_CONTAINERS = ("stages", "blocks", "layers")
+RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+def _timm_blocks(model):
+    """A timm model's blocks (TIMM_CONTAINERS), [] for any other model. timm is not imported here:
+    its models are known by their class's module."""
+    if not type(model).__module__.startswith("timm."):
+        return []
+    if all(hasattr(model, n) for n in RESNET_STAGES):
+        return [(n, getattr(model, n)) for n in RESNET_STAGES]
+    for attr in TIMM_CONTAINERS:
+        container = getattr(model, attr, None)
+        if isinstance(container, (nn.Sequential, nn.ModuleList)):
+            parts = [(f"{attr}.{c}", child) for c, child in container.named_children() if _has_params(child)]
+            if len(parts) >= 2:
+                return parts
+    return []
+
+
 def find_blocks(model, names=()):
     """[(qualified name, module)] of the units to shard (and to checkpoint), outermost first.
     `names` (model.blocks): qualified names or class names; an entry that matches nothing stops."""
@@ -96,7 +119,10 @@ def find_blocks(model, names=()):
         # A listed module inside another listed one is part of that block already.
         return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found)]
     if isinstance(model, torchvision.models.ResNet):
-        return [(n, getattr(model, n)) for n in ("layer1", "layer2", "layer3", "layer4")]
+        return [(n, getattr(model, n)) for n in RESNET_STAGES]
+    timm_blocks = _timm_blocks(model)
+    if timm_blocks:
+        return timm_blocks
     # The outermost containers of two or more parts with weights: their parts are the blocks.
     containers = [(n, m) for n, m in modules if isinstance(m, (nn.Sequential, nn.ModuleList))
                   and sum(_has_params(c) for c in m.children()) >= 2]
