@@ -7,6 +7,7 @@ The unused branch is a MODELS entry registered by tests/_unused_branch.py before
 train_multi_gpu_ddp.py runs under torchrun with 2 gloo processes (refused); the run that trains with
 the key, and the --local-rank run, call main() in this process, as a process group of one.
 """
+import contextlib
 import json
 import os
 import signal
@@ -71,9 +72,12 @@ def test_a_stopped_rank_ends_the_job_in_its_timeout_and_the_restart_finishes(ima
             time.sleep(0.1 if stopped else 0.5)
         rc = proc.wait(timeout=max(1, deadline - time.time()))
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(20)
+        if proc.poll() is None:  # past the deadline: end the job, a stopped worker included
+            for pid in workers_of(proc.pid).values():
+                with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                    os.killpg(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
     log = stdout.read_text() + stderr.read_text()
     assert rc == 0, log[-4000:]
     assert f"Sending process {stopped} closing signal SIGTERM" in log  # torchrun ended the stopped rank
