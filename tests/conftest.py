@@ -77,6 +77,20 @@ def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def workers_of(launcher_pid):
+    """{rank: pid} of the worker processes a torchrun agent started (its children, read from /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid:
+                rank = [e for e in (stat.parent / "environ").read_bytes().split(b"\0") if e.startswith(b"RANK=")]
+                if rank:
+                    found[int(rank[0][5:])] = int(stat.parent.name)
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+    return found
+
+
 def checkpoint_with_sizes(tmp_path, monkeypatch, state, data, img_size, val_resize):
     """A copy of checkpoint `state` whose config's data section is `data` (None: no data section), and
     configs/default.yaml with img_size and val_resize changed (monkeypatched in): -> the copy's path."""

@@ -7,10 +7,13 @@ The unused branch is a MODELS entry registered by tests/_unused_branch.py before
 train_multi_gpu_ddp.py runs under torchrun with 2 gloo processes (refused); the run that trains with
 the key, and the --local-rank run, call main() in this process, as a process group of one.
 """
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,18 +21,23 @@ import pytest
 import model
 import train_multi_gpu_ddp
 from _resume_utils import one_thread, run_main  # noqa: F401
-from conftest import FAST_ARGS, REPO, free_port
+from conftest import FAST_ARGS, REPO, free_port, workers_of
 from utils.config import load_config
 
 pytestmark = pytest.mark.slow
 
 
-def torchrun(*args, timeout=300):
+def torchrun_cmd(*args):
     """torchrun with 2 gloo processes on localhost; args: torchrun's options, then the script and its own."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *args]
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return [str(c) for c in [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args]]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(*args, timeout=300):
+    return subprocess.run(torchrun_cmd(*args), capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV)
 
 
 def ddp_unused_branch(data, out, *extra):
@@ -43,18 +51,50 @@ def test_a_stopped_rank_ends_the_job_in_its_timeout_and_the_restart_finishes(ima
     one line naming the timeout; torchrun --max-restarts=1 kills the stopped worker and restarts, the run
     resumes from last.pt and finishes: every epoch once in metrics.jsonl, no worker left behind.
     The restart runs with the default timeout (tests/_faults.py drops the short one): on a loaded
-    machine a slow start-up must not pass for a stopped rank."""
-    out = tmp_path / "run"
-    r = torchrun("--max-restarts=1", REPO / "tests" / "_faults.py", "stop:1:4", "train_multi_gpu_ddp.py",
-                 *FAST_ARGS, "train.epochs=3", "ddp.timeout_minutes=0.5", "--data-path", image_root,
-                 "--output-dir", out, "--resume", "auto", timeout=480)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    machine a slow start-up must not pass for a stopped rank.
+
+    A stopped process takes torchrun's SIGTERM only once it runs again, and torch 2.14's agent waits
+    30 s for it whatever --shutdown_timeout says before its SIGKILL: the test sends that SIGKILL as
+    soon as the SIGTERM is pending, the one thing torchrun would do next."""
+    out, stdout, stderr = tmp_path / "run", tmp_path / "stdout", tmp_path / "stderr"
+    cmd = torchrun_cmd("--max-restarts=1", REPO / "tests" / "_faults.py", "stop:1:4", "train_multi_gpu_ddp.py",
+                       *FAST_ARGS, "train.epochs=3", "ddp.timeout_minutes=0.5", "--data-path", image_root,
+                       "--output-dir", out, "--resume", "auto")
+    with open(stdout, "w") as o, open(stderr, "w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=REPO, env=ENV)
+    try:
+        stopped, deadline = None, time.time() + 300
+        while proc.poll() is None and time.time() < deadline:
+            stopped = stopped or workers_of(proc.pid).get(1)  # the first attempt's rank 1
+            if stopped and sigterm_pending_while_stopped(stopped):
+                os.killpg(stopped, signal.SIGKILL)  # its process group, as torchrun's own SIGKILL
+                break
+            time.sleep(0.1 if stopped else 0.5)
+        rc = proc.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        if proc.poll() is None:  # past the deadline: end the job, a stopped worker included
+            for pid in workers_of(proc.pid).values():
+                with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                    os.killpg(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+    log = stdout.read_text() + stderr.read_text()
+    assert rc == 0, log[-4000:]
+    assert f"Sending process {stopped} closing signal SIGTERM" in log  # torchrun ended the stopped rank
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: a collective waited 0.5 min (ddp.timeout_minutes)")
-    assert "resumed from" in log and "Traceback" not in r.stdout
+    assert "resumed from" in log and "Traceback" not in stdout.read_text()
     assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert not processes_naming(out), "processes of the job still running"
+
+
+def sigterm_pending_while_stopped(pid):
+    """Whether process `pid` is stopped with a SIGTERM waiting for it to run again (/proc/PID/status)."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except OSError:  # ended: nothing to wait for
+        return False
+    return status["State"].strip().startswith("T") and bool(int(status["ShdPnd"], 16) >> (signal.SIGTERM - 1) & 1)
 
 
 def processes_naming(text):

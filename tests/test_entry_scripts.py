@@ -6,7 +6,8 @@ One short run of each script is shared by all tests of this file (they run side 
 side, in the module fixture `runs`):
     train.py                 2 epochs, --output-dir out (relative to its cwd)
     train_multi_gpu_dp.py    1 epoch, no --output-dir   -> runs/<timestamp>-dp
-    train_multi_gpu_ddp.py   torchrun, 2 gloo processes, --syncBN True, no --output-dir -> runs/<timestamp>-ddp
+    train_multi_gpu_ddp.py   torchrun, 2 gloo processes, --syncBN True, no --output-dir -> runs/<timestamp>-ddp,
+                             1 loader worker each, on a copy of the data that also holds unreadable files
 
 "Written once" is checked from the inside: a sitecustomize.py put on PYTHONPATH
 installs an audit hook (sys.addaudithook) in every process, torchrun's workers
@@ -27,6 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from _resume_utils import one_thread, run_main  # noqa: F401 (a fixture)
+from bad_files import BROKEN
 from conftest import FAST_ARGS, make_image_folder, run_entry
 from model import create_model
 from utils.config import load_config
@@ -98,17 +100,23 @@ def _launch(name, script, argv, epochs, tmp, data_root, nproc=None):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("entry")
     data_root = make_image_folder(tmp / "flowers")
+    # The DDP run's data also holds every kind of unreadable file, met in loader workers on both ranks
+    # (test_ddp_workers_and_ranks_report_each_bad_file_once_and_sum_the_count needs no torchrun of its
+    # own). 7 per class: 32 train images, 2 ranks x 4 steps x 4, so that every file is read.
+    with_bad = make_image_folder(tmp / "flowers_with_bad_files", per_class=7)
+    for name, write in BROKEN.items():
+        write(with_bad / ("daisy" if name < "p" else "roses") / name)
     (tmp / "hook").mkdir()
     (tmp / "hook" / "sitecustomize.py").write_text(WRITE_AUDIT)
     jobs = {
-        "train": ("train.py", ["--output-dir", "out"], 2, None),
-        "dp": ("train_multi_gpu_dp.py", [], 1, None),
-        "ddp": ("train_multi_gpu_ddp.py", ["--syncBN", "True"], 1, 2),
+        "train": ("train.py", ["--output-dir", "out"], 2, None, data_root),
+        "dp": ("train_multi_gpu_dp.py", [], 1, None, data_root),
+        "ddp": ("train_multi_gpu_ddp.py", ["data.num_workers=1", "--syncBN", "True"], 1, 2, with_bad),
     }
     # Side by side: most of each run is interpreter and torch start-up, not training.
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {name: pool.submit(_launch, name, script, argv, epochs, tmp, data_root, nproc)
-                   for name, (script, argv, epochs, nproc) in jobs.items()}
+        futures = {name: pool.submit(_launch, name, script, argv, epochs, tmp, root, nproc)
+                   for name, (script, argv, epochs, nproc, root) in jobs.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -244,6 +252,17 @@ def test_ddp_syncbn_on_cpu_warns_once_and_continues(runs):
     assert len(lines) == 1, lines
     assert "warning" in lines[0].lower()
     assert len(read_metrics(ddp)) == 1  # and it trained
+
+
+def test_ddp_workers_and_ranks_report_each_bad_file_once_and_sum_the_count(runs):
+    """tests/test_bad_data.py's case through DDP: finds in loader workers reach their rank's main
+    process and are summed over ranks; each unreadable file is warned about once."""
+    ddp = runs["ddp"]
+    assert ddp.proc.returncode == 0, ddp.output[-4000:]
+    assert ddp.output.count("SyncBatchNorm needs CUDA") == 1
+    warned = [line for line in ddp.output.splitlines() if "skipping unreadable image" in line]
+    assert sorted(name for name in BROKEN for w in warned if name in w) == sorted(BROKEN), ddp.output[-3000:]
+    assert read_metrics(ddp)[0]["bad_images"] == len(BROKEN)
 
 
 # --------------------------------------------------------------------------- non-ASCII class names

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _resume_utils import assert_same_run, load, metrics, run_args
-from conftest import REPO, free_port, make_image_folder, run_entry
+from conftest import REPO, free_port, make_image_folder, run_entry, workers_of
 
 pytestmark = pytest.mark.slow
 DDP = "train_multi_gpu_ddp.py"
@@ -63,19 +63,8 @@ class Launch:
         return rc, "".join(self.lines)
 
     def workers(self):
-        """{rank: pid} of the worker processes torchrun started (its children, read from /proc)."""
-        found = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                if ppid == self.proc.pid:
-                    env = (stat.parent / "environ").read_bytes().split(b"\0")
-                    rank = [e for e in env if e.startswith(b"RANK=")]
-                    if rank:
-                        found[int(rank[0][5:])] = int(stat.parent.name)
-            except (OSError, IndexError, ValueError):
-                continue
-        return found
+        """{rank: pid} of the worker processes torchrun started."""
+        return workers_of(self.proc.pid)
 
 
 def _wait_for(predicate, proc, timeout=180):
@@ -183,6 +172,7 @@ def test_a_sigterm_to_one_rank_during_evaluation_stops_every_rank_after_the_epoc
     r = run_entry("tests/_faults.py", "term:1:1", DDP, *run_args(data, out, *EXTRA, epochs=3), nproc=2,
                   timeout=240)
     log = r.stdout + r.stderr
+    Path("/tmp/tmp-speed/log_" + out.parent.name[:20] + ".txt").write_text(log)  # TEMP
     errors = [x for x in log.splitlines() if x.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1, log[-3000:]  # one line, from rank 0, which was not signalled
     assert errors[0].startswith("error: stopped by a stop request on another rank after epoch 1, global step 3")
@@ -196,6 +186,7 @@ def test_a_failed_save_on_rank_0_stops_every_rank_in_one_line(data, tmp_path):
     r = run_entry("tests/_faults.py", "nospace:0:2", DDP, *run_args(data, out, *EXTRA, epochs=3), nproc=2,
                   timeout=240, env={"FAULT_ERRORS": str(raised)})
     log = r.stdout + r.stderr
+    Path("/tmp/tmp-speed/log_" + out.parent.name[:20] + ".txt").write_text(log)  # TEMP
     errors = [x for x in log.splitlines() if x.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1 and "could not write checkpoint" in errors[0], log[-3000:]
     assert "No space left on device" in errors[0]

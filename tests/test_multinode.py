@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import data as data_module
 from _resume_utils import load, run_args, run_main
-from conftest import REPO, free_port, make_image_folder
+from conftest import REPO, free_port, make_image_folder, workers_of
 from utils.distributed_utils import cleanup, ddp_kwargs, init_distributed_mode, resolve_backend
 from utils.errors import UserError
 from utils.stop import StopRequest
@@ -63,13 +63,7 @@ class Node:
         return self.log.read_text()
 
     def worker(self):
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                    return int(stat.parent.name)
-            except (OSError, IndexError, ValueError):
-                continue
-        return None
+        return next(iter(workers_of(self.proc.pid).values()), None)
 
 
 def static_pair(tmp_path, args, cwds):
