@@ -98,6 +98,9 @@ class TrainConfig:
     figures: bool = MISSING
     accum_steps: int = MISSING
     ema_decay: float = MISSING
+    best_metric: str = MISSING
+    best_mode: str = MISSING
+    early_stop_patience: int = MISSING
 
 
 @dataclass
@@ -149,6 +152,7 @@ CLASSIC_FLAGS = {
 CHOICES = {
     "optim.name": ("sgd", "adamw"),
     "train.amp": ("auto", "bf16", "fp16", "off"),
+    "train.best_mode": ("auto", "max", "min"),
     "data.pipeline": ("pil", "gpu", "auto"),
     "data.gpu_decode": ("auto", "once", "per_batch"),
     "data.bad_image": ("warn", "error"),
@@ -276,6 +280,8 @@ def _check_ranges(cfg):
         bad("train.accum_steps", f"{cfg.train.accum_steps}; 1 (no accumulation) or more micro-batches per step")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
+    if cfg.train.early_stop_patience < 0:
+        bad("train.early_stop_patience", f"{cfg.train.early_stop_patience}; 0 (off) or a number of epochs")
     for key in ("data.mixup_alpha", "data.cutmix_alpha"):
         if OmegaConf.select(cfg, key) < 0:
             bad(key, f"{OmegaConf.select(cfg, key)}; 0 (off) or a positive Beta(alpha, alpha) parameter")

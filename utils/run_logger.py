@@ -184,13 +184,14 @@ class RunLogger:
 
 
 # metrics.jsonl key -> TensorBoard tag: "val_acc" -> "val/acc"; the rest by name.
-_TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s", "best_acc": "val/best_acc", "best_map": "val/best_map",
-         "bad_images": "data/bad_images"}
+_TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s", "bad_images": "data/bad_images"}
 
 
 def scalar_tag(key):
     if key in _TAGS:
         return _TAGS[key]
+    if key.startswith("best_"):  # train.best_metric's best so far: best_acc -> val/best_acc, best_loss -> val/best_loss
+        return "val/" + key
     for prefix in ("train_", "val_"):
         if key.startswith(prefix):
             return prefix[:-1] + "/" + key[len(prefix):]
