@@ -157,9 +157,10 @@ def test_an_interrupted_early_stop_run_resumes_to_the_same_stop(data, early, tmp
 def test_an_unknown_best_metric_is_refused_in_one_line_before_training(data, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     code, _ = call_main(run_args(data, out, "train.best_metric=val_accuracy"), monkeypatch)
-    err = capsys.readouterr().err
+    out_text, err = capsys.readouterr()
     lines = [x for x in err.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1, err
+    assert "run directory:" not in out_text  # refused before the run started, not after an epoch
     assert lines[0] == ("error: train.best_metric=val_accuracy is not a metric of this run; choose one of "
                         "val_loss, val_acc, val_top5, val_macro_f1")
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
