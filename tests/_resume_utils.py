@@ -36,8 +36,9 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def assert_same_weights(a, b):
-    """Every model tensor, optimizer buffer, the schedule and the run state of two checkpoints: bit-for-bit equal."""
+def assert_same_weights(a, b, run_state=True):
+    """Every model tensor, optimizer buffer, the schedule and (`run_state`) the run state of two checkpoints:
+    bit-for-bit equal."""
     a, b = load(a), load(b)
     assert a["model"].keys() == b["model"].keys()
     for k in a["model"]:
@@ -46,6 +47,8 @@ def assert_same_weights(a, b):
         for name, t in st.items():
             assert torch.equal(t, b["optimizer"]["state"][pid][name]), f"optimizer {pid}.{name} differs"
     assert a["scheduler"] == b["scheduler"]
+    if not run_state:
+        return
     # The run state (utils.checkpoint.RunState; best_acc only where the best is val_acc's or val_map's).
     run_state = ("epoch", "global_step", "best_acc", "best_score", "best_metric", "best_mode", "best_epoch",
                  "bad_epochs")

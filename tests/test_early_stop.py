@@ -3,17 +3,19 @@ resumes to the same stop, and stops every DDP rank at the same epoch.
 
     python -m pytest -q tests/test_early_stop.py
 
-One 6-epoch train.py run (best.pt by val_loss, every epoch kept) records the curves; the early-stop
-runs are the same training with val_macro_f1 and a patience, so where they must stop follows from
-those curves. In this process, but for one torchrun launch whose rank 1 sees other numbers than
+One 6-epoch train.py run (best.pt by val_loss, every epoch kept) records the curves and is the
+uninterrupted reference: the early-stop run is the same training with val_macro_f1 and a patience,
+so where it must stop, and its weights there, follow from that run. It is stopped by a real SIGTERM
+and resumed. In this process, but for one torchrun launch whose rank 1 sees other numbers than
 rank 0 (this file is that launch's worker: see the end).
 """
+import contextlib
+import io
 import os
 import signal
 import sys
 
 import pytest
-import torch
 
 from conftest import make_image_folder, run_entry
 from _resume_utils import assert_same_weights, load, metrics, one_thread, run_args  # noqa: F401
@@ -78,12 +80,31 @@ def early_args(data, out, *extra, flags=()):
 
 @pytest.fixture(scope="module")
 def early(data, straight, tmp_path_factory, one_thread):
-    """The same training, best.pt by val_macro_f1 (max), stopped by the patience."""
+    """The same training, best.pt by val_macro_f1 (max) with a patience, stopped by a real SIGTERM while
+    the epoch before its stop evaluates (its patience count already > 0), then continued with
+    --resume auto: -> (run directory, fit's return value, the resumed run's log, the stop epoch)."""
+    curve = [r["val_macro_f1"] for r in metrics(straight[0])]
+    stop, _ = expected_stop(curve, PATIENCE, EPOCHS)
+    assert stop is not None, f"the recipe's val_macro_f1 {curve} never stalls for {PATIENCE} epochs"
     out = tmp_path_factory.mktemp("early_run") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        code, result = call_main(early_args(data, out), mp)
+    real_evaluate, evals = engine.evaluate, []
+
+    def evaluate_then_signal(*a, **k):
+        evals.append(1)
+        if len(evals) == stop - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
+        mp.setattr(engine, "evaluate", evaluate_then_signal)
+        assert call_main(early_args(data, out), mp)[0] == 128 + signal.SIGTERM
+        assert load(out / "checkpoints" / "last.pt")["bad_epochs"] > 0  # else the resume could not tell
+        mp.undo()
+        log.seek(0)
+        log.truncate()
+        code, result = call_main(early_args(data, out, flags=("--resume", "auto")), mp)
     assert code == 0
-    return out, result
+    return out, result, log.getvalue(), stop
 
 
 def test_best_pt_follows_val_loss_down(straight):
@@ -101,57 +122,34 @@ def test_best_pt_follows_val_loss_down(straight):
     assert (result["best_loss"], result["best_epoch"], result["early_stop"]) == (min(losses), best_epoch, False)
 
 
-def test_early_stop_ends_at_the_patience_with_best_pt_by_macro_f1(straight, early, capsys):
-    curve = [r["val_macro_f1"] for r in metrics(straight[0])]
-    stop, best_epoch = expected_stop(curve, PATIENCE, EPOCHS)
-    assert stop is not None, f"the recipe's val_macro_f1 {curve} never stalls for {PATIENCE} epochs"
-    out, result = early
+def test_a_resumed_run_stops_at_the_patience_as_the_uninterrupted_one(straight, early, data, monkeypatch, capsys):
+    """The straight run is the same training: up to the stop its lines and epoch files are the
+    uninterrupted early-stopped run's."""
+    out, result, log, stop = early
+    straight_rows = metrics(straight[0])
+    curve = [r["val_macro_f1"] for r in straight_rows]
+    best_epoch = expected_stop(curve, PATIENCE, EPOCHS)[1]
     rows = metrics(out)
     assert [r["epoch"] for r in rows] == list(range(1, stop + 1))
     assert rows[-1]["early_stop"] is True and not any("early_stop" in r for r in rows[:-1])
     assert [r["best_macro_f1"] for r in rows] == [max(curve[:i + 1]) for i in range(stop)]
-    # The same training as the straight run up to the stop: the same weights as its epoch file.
-    straight_weights = load(straight[0] / "checkpoints" / f"epoch_{stop:03d}.pt")["model"]
-    last = load(out / "checkpoints" / "last.pt")
-    assert all(torch.equal(last["model"][k], v) for k, v in straight_weights.items())
-    assert (last["epoch"], last["bad_epochs"]) == (stop, PATIENCE)
+    trained = [{k: v for k, v in r.items() if not k.startswith(("best_", "early_"))} for r in rows]
+    assert trained == [{k: v for k, v in r.items() if not k.startswith("best_")} for r in straight_rows[:stop]]
+    assert_same_weights(out / "checkpoints" / "last.pt", straight[0] / "checkpoints" / f"epoch_{stop:03d}.pt",
+                        run_state=False)
+    assert load(out / "checkpoints" / "last.pt")["bad_epochs"] == PATIENCE
     best = load(out / "checkpoints" / "best.pt")
     assert (best["epoch"], best["best_metric"], best["best_mode"]) == (best_epoch, "val_macro_f1", "max")
+    assert_same_weights(out / "checkpoints" / "best.pt", straight[0] / "checkpoints" / f"epoch_{best_epoch:03d}.pt",
+                        run_state=False)
     assert (result["best_macro_f1"], result["best_epoch"], result["early_stop"]) == (max(curve[:stop]), best_epoch,
                                                                                      True)
-
-
-def test_an_interrupted_early_stop_run_resumes_to_the_same_stop(data, early, tmp_path, monkeypatch, capsys):
-    """SIGTERM while the epoch before the stop evaluates (its patience count already > 0), then
-    --resume auto: the resumed run stops at the same epoch with the same weights and lines."""
-    stop = len(metrics(early[0]))
-    out = tmp_path / "run"
-    real_evaluate, evals = engine.evaluate, []
-
-    def evaluate_then_signal(*a, **k):
-        evals.append(1)
-        if len(evals) == stop - 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_evaluate(*a, **k)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine, "evaluate", evaluate_then_signal)
-        assert call_main(early_args(data, out), mp)[0] == 128 + signal.SIGTERM
-    assert load(out / "checkpoints" / "last.pt")["bad_epochs"] > 0  # else the test could not tell
-    capsys.readouterr()
-    code, result = call_main(early_args(data, out, flags=("--resume", "auto")), monkeypatch)
-    assert code == 0 and result["early_stop"] is True
-    log = capsys.readouterr().out
-    lines = [x for x in log.splitlines() if x.startswith("early stop:")]
-    best = result["best_epoch"]
-    assert lines == [f"early stop: val_macro_f1 has not improved for {PATIENCE} epochs (best "
-                     f"{result['best_macro_f1']:.4f} at epoch {best}); the run ends after epoch {stop}"]
-    assert metrics(out) == metrics(early[0])
-    assert_same_weights(out / "checkpoints" / "last.pt", early[0] / "checkpoints" / "last.pt")
-    assert_same_weights(out / "checkpoints" / "best.pt", early[0] / "checkpoints" / "best.pt")
+    assert [x for x in log.splitlines() if x.startswith("early stop:")] == [
+        f"early stop: val_macro_f1 has not improved for {PATIENCE} epochs (best {max(curve[:stop]):.4f} at epoch "
+        f"{best_epoch}); the run ends after epoch {stop}"]
     # Started again once more, the finished run trains nothing and stops at once.
     assert call_main(early_args(data, out, flags=("--resume", "auto")), monkeypatch)[0] == 0
-    assert metrics(out) == metrics(early[0]) and "early stop:" in capsys.readouterr().out
+    assert metrics(out) == rows and "early stop:" in capsys.readouterr().out
 
 
 def test_an_unknown_best_metric_is_refused_in_one_line_before_training(data, tmp_path, monkeypatch, capsys):
@@ -166,15 +164,16 @@ def test_an_unknown_best_metric_is_refused_in_one_line_before_training(data, tmp
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
-def test_ddp_ranks_stop_at_rank_0s_epoch_though_rank_1_sees_improvement(data, tmp_path):
+def test_ddp_ranks_stop_at_rank_0s_epoch_though_rank_1_sees_improvement(tmp_path):
     """torchrun, 2 gloo processes. This file's worker feeds each rank its own val_loss: rank 0 a
-    rising one (best at epoch 1: patience 1 ends the run after epoch 2 of 4), rank 1 a falling one.
+    rising one (best at epoch 1: patience 1 ends the run after epoch 2 of 3), rank 1 a falling one.
     A decision each rank took alone would send rank 1 into epoch 3 alone: a hang or an error."""
     out, seen = tmp_path / "run", tmp_path / "seen"
     seen.mkdir()
+    small = make_image_folder(tmp_path / "small", per_class=3)  # the numbers are the worker's: least training
     proc = run_entry("tests/test_early_stop.py", "train_multi_gpu_ddp.py",
-                     *run_args(data, out, "train.best_metric=val_loss", "train.early_stop_patience=1",
-                               "ddp.timeout_minutes=0.5", epochs=4),
+                     *run_args(small, out, "train.best_metric=val_loss", "train.early_stop_patience=1",
+                               "ddp.timeout_minutes=0.5", epochs=3),
                      nproc=2, env={"EARLY_STOP_SEEN": str(seen)}, timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rows = metrics(out)
