@@ -692,17 +692,18 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state)
     _log_start(run, resume_path, notes)
     run.stop = StopRequest().install()
-    metrics = {}
-    # A resumed run that had already stopped early (or was killed just after that epoch's save) trains no more.
-    early_stop = _early_stop(run)
-    if early_stop:
-        logger.info(early_stop_line(run_state))
+    metrics, early_stop = {}, False
     try:
-        for epoch in range(run_state.epoch, run_state.epoch if early_stop else cfg.train.epochs):
-            metrics = _train_epoch(run, epoch)
-            if metrics.get("early_stop"):
-                early_stop = True
+        for epoch in range(run_state.epoch, cfg.train.epochs):
+            # On the count the last epoch left, or the checkpoint: a resumed run stops where it would have.
+            early_stop = _early_stop(run)
+            if early_stop:
+                # A finished run, not an interrupted one: tools that run many (k-fold, sweeps) read this line.
+                logger.info(early_stop_line(run_state))
+                logger.event("done", reason="early_stop", epochs=run_state.epoch, best_metric=run_state.best_metric,
+                             best=run_state.best_score, best_epoch=run_state.best_epoch)
                 break
+            metrics = _train_epoch(run, epoch)
     except OUT_OF_MEMORY as e:
         raise out_of_memory(e, cfg, dist_info, script_name) from e
     finally:
@@ -897,15 +898,12 @@ def _train_epoch(run, epoch):
         run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
     run_state.epoch = epoch + 1
     run.saver.save(run_state, is_best=is_best)
-    early_stop = _early_stop(run)  # every rank: rank 0's decision
     key = score_key(run_state.multilabel)
     figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
                                             run_state.global_step, pr) if cfg.train.figures else 0.0
     metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
                best_key(run_state.best_metric): run_state.best_score,
                **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
-               # The run's last line when train.early_stop_patience ended it: a finished run, not an interrupted one.
-               **({"early_stop": True} if early_stop else {}),
                "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
     run.logger.epoch(metrics, run.classes)
     run.logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
@@ -916,11 +914,8 @@ def _train_epoch(run, epoch):
     if end.input_bound and not run.hinted:
         run.hinted = True
         run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
-    if early_stop:
-        run.logger.info(early_stop_line(run_state))
-    # A signal that came during evaluation: the epoch's checkpoint is already written (a run that stops early
-    # here has nothing left to resume).
-    if epoch + 1 < cfg.train.epochs and not early_stop and any_rank(stop.requested(), run.dist_info.device):
+    # A signal that came during evaluation: the epoch's checkpoint is already written.
+    if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device):
         _raise_stopped(stop, f"after epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     return metrics
 
@@ -943,11 +938,11 @@ def _best_candidate(run_state, val):
 
 
 def _early_stop(run):
-    """Whether the run ends now: train.early_stop_patience epochs without improvement before its last
-    epoch. Rank 0 decides and every rank gets its answer (a broadcast every rank runs), so all stop at
+    """Whether the run ends now, before epoch run_state.epoch + 1: train.early_stop_patience epochs
+    without improvement. Rank 0 decides and every rank gets its answer (a broadcast every rank runs), so all stop at
     the same epoch even where their views differed."""
     patience, run_state = run.cfg.train.early_stop_patience, run.run_state
-    if not patience or run_state.epoch >= run.cfg.train.epochs:
+    if not patience:
         return False
     return broadcast_object(run_state.bad_epochs >= patience if run.dist_info.rank == 0 else None)
 

@@ -112,7 +112,7 @@ def test_best_pt_follows_val_loss_down(straight):
     rows = metrics(out)
     losses = [r["val_loss"] for r in rows]
     best_epoch = first_best(losses, "min")
-    assert len(rows) == EPOCHS and "early_stop" not in rows[-1]
+    assert len(rows) == EPOCHS and not any("event" in r for r in rows)  # ran to its end: no marker
     # The recipe must make the metrics disagree, else a best chosen by val_acc (or by max) would pass too.
     assert best_epoch not in (first_best([r["val_acc"] for r in rows], "max"), first_best(losses, "max")), losses
     best = load(out / "checkpoints" / "best.pt")
@@ -129,11 +129,14 @@ def test_a_resumed_run_stops_at_the_patience_as_the_uninterrupted_one(straight, 
     straight_rows = metrics(straight[0])
     curve = [r["val_macro_f1"] for r in straight_rows]
     best_epoch = expected_stop(curve, PATIENCE, EPOCHS)[1]
-    rows = metrics(out)
+    lines = metrics(out)
+    *rows, done = lines
     assert [r["epoch"] for r in rows] == list(range(1, stop + 1))
-    assert rows[-1]["early_stop"] is True and not any("early_stop" in r for r in rows[:-1])
+    # The marker a tool tells a finished early-stopped run by: the last line, no epoch's.
+    assert done == {"event": "done", "reason": "early_stop", "epochs": stop, "best_metric": "val_macro_f1",
+                    "best": max(curve[:stop]), "best_epoch": best_epoch}
     assert [r["best_macro_f1"] for r in rows] == [max(curve[:i + 1]) for i in range(stop)]
-    trained = [{k: v for k, v in r.items() if not k.startswith(("best_", "early_"))} for r in rows]
+    trained = [{k: v for k, v in r.items() if not k.startswith("best_")} for r in rows]
     assert trained == [{k: v for k, v in r.items() if not k.startswith("best_")} for r in straight_rows[:stop]]
     assert_same_weights(out / "checkpoints" / "last.pt", straight[0] / "checkpoints" / f"epoch_{stop:03d}.pt",
                         run_state=False)
@@ -149,7 +152,7 @@ def test_a_resumed_run_stops_at_the_patience_as_the_uninterrupted_one(straight, 
         f"{best_epoch}); the run ends after epoch {stop}"]
     # Started again once more, the finished run trains nothing and stops at once.
     assert call_main(early_args(data, out, flags=("--resume", "auto")), monkeypatch)[0] == 0
-    assert metrics(out) == rows and "early stop:" in capsys.readouterr().out
+    assert metrics(out) == lines and "early stop:" in capsys.readouterr().out
 
 
 def test_an_unknown_best_metric_is_refused_in_one_line_before_training(data, tmp_path, monkeypatch, capsys):
@@ -176,8 +179,8 @@ def test_ddp_ranks_stop_at_rank_0s_epoch_though_rank_1_sees_improvement(tmp_path
                                "ddp.timeout_minutes=0.5", epochs=3),
                      nproc=2, env={"EARLY_STOP_SEEN": str(seen)}, timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    rows = metrics(out)
-    assert [(r["epoch"], r["val_loss"]) for r in rows] == [(1, 1.0), (2, 2.0)] and rows[-1]["early_stop"] is True
+    *rows, done = metrics(out)
+    assert [(r["epoch"], r["val_loss"]) for r in rows] == [(1, 1.0), (2, 2.0)] and done["reason"] == "early_stop"
     assert "early stop: val_loss has not improved for 1 epoch (best 1.0000 at epoch 1)" in proc.stdout
     # Each rank evaluated exactly the two epochs (the worker notes each of its evaluations).
     assert sorted(p.name for p in seen.iterdir()) == ["0", "1"]

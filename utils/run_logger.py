@@ -78,11 +78,12 @@ class RunLogger:
                                     purge_step=(start_step + 1 if start_step else 0) if resuming else None)
 
     def _truncate_metrics(self, start_epoch):
-        """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch)."""
+        """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch); an event line
+        (a "done" marker) goes too: the resumed run writes its own."""
         if not self.metrics_path.exists():
             return
         kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["epoch"] <= start_epoch]
+                if line.strip() and json.loads(line).get("epoch", math.inf) <= start_epoch]
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)
@@ -125,6 +126,12 @@ class RunLogger:
                     if v is not None:  # e.g. the AP of a label without a positive
                         self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, global_step)
         self.writer.flush()
+
+    def event(self, name, **fields):
+        """A metrics.jsonl line that is no epoch's (no "epoch" key): {"event": "done", "reason": "early_stop", ...}."""
+        if self.enabled:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"time": round(time.time(), 3), "event": name, **fields}) + "\n")
 
     def image(self, tag, image, global_step):
         """An RGB uint8 (H, W, 3) picture from utils/figures.py, as a PNG in the event file. Encoded here:
