@@ -36,7 +36,7 @@ from utils import checkpoint as ckpt
 from utils.cli import OUT_OF_MEMORY, out_of_memory
 from utils.cam import find_target, gallery_explainer
 from utils.config import config_to_dict, register_check
-from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, gather_objects, no_sync,
+from utils.distributed_utils import (DistInfo, any_rank, broadcast_buffers, broadcast_object, gather_objects, no_sync,
                                      nondeterministic_op, reduce_min, reduce_sums)
 from utils.errors import RUNTIME_EXIT, UserError
 from utils import figures, fsdp, profiling
@@ -671,7 +671,7 @@ class _Run:
     logger: RunLogger
     saver: ckpt.Checkpointer
     stop: Optional[StopRequest]             # installed for the epochs
-    run_state: ckpt.RunState                # epoch, global step, best accuracy: the loop's and the checkpoint's
+    run_state: ckpt.RunState                # epoch, global step, best score: the loop's and the checkpoint's
     hinted: bool = False                    # the input-bound hint was printed (once per run)
     profiled: bool = False                  # train.profile's epoch is done (the first this process trains)
 
@@ -694,13 +694,21 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     if cfg.eval_only:
         return evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state)
     step, layout = build_step(cfg, model, train_loader, classes, dist_info)  # refuses what the data refutes
+    multilabel = is_multilabel(train_loader)
+    names = best_metric_names(multilabel, len(classes), ema=step.ema is not None)
+    metric, mode = resolve_best(cfg.train, multilabel, names)  # an unknown name stops here, before any training
     if is_main:
         check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         check_writable(run_dir)
         ckpt.remove_stale_temps(run_dir / "checkpoints")
-    run_state, notes = (ckpt.RunState(multilabel=is_multilabel(train_loader)), []) if resume_path is None else \
+    run_state, notes = (ckpt.RunState(multilabel=multilabel), []) if resume_path is None else \
         _restore(cfg, state, step, layout, classes, dist_info)
     del state
+    notes += [note for note in [run_state.follow(metric, mode)] if note]
+    if metric != score_key(multilabel) or cfg.train.early_stop_patience:
+        patience = cfg.train.early_stop_patience
+        notes.append(f"best.pt follows {metric} ({mode})" + (f"; the run stops after {patience} epochs without "
+                                                              "improvement" if patience else ""))
     logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
                        resuming=resume_path is not None or restarted or cfg.resume == "auto")
     saver = ckpt.Checkpointer(run_dir / "checkpoints", ckpt.unwrap(model), step, config_to_dict(cfg), classes,
@@ -708,9 +716,17 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state)
     _log_start(run, resume_path, notes)
     run.stop = StopRequest().install()
-    metrics = {}
+    metrics, early_stop = {}, False
     try:
         for epoch in range(run_state.epoch, cfg.train.epochs):
+            # On the count the last epoch left, or the checkpoint: a resumed run stops where it would have.
+            early_stop = _early_stop(run)
+            if early_stop:
+                # A finished run, not an interrupted one: tools that run many (k-fold, sweeps) read this line.
+                logger.info(early_stop_line(run_state))
+                logger.event("done", reason="early_stop", epochs=run_state.epoch, best_metric=run_state.best_metric,
+                             best=run_state.best_score, best_epoch=run_state.best_epoch)
+                break
             metrics = _train_epoch(run, epoch)
     except OUT_OF_MEMORY as e:
         raise out_of_memory(e, cfg, dist_info, script_name) from e
@@ -719,7 +735,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     finally:
         run.stop.uninstall()
         logger.close()
-    return {"best_acc": run_state.best_acc, "run_dir": str(run_dir), "last": metrics}
+    return {best_key(run_state.best_metric): run_state.best_score, "best_metric": run_state.best_metric,
+            "best_epoch": run_state.best_epoch, "early_stop": early_stop, "run_dir": str(run_dir), "last": metrics}
 
 
 def compute_settings(cfg, device, class_weight=None, multilabel=False, pos_weight=None):
@@ -735,8 +752,45 @@ def is_multilabel(loader):
 
 
 def score_key(multilabel):
-    """The validation number the best checkpoint follows: val_map multi-label, else val_acc."""
-    return "val_map" if multilabel else "val_acc"
+    """The validation number the best checkpoint follows by default (train.best_metric=auto): val_map
+    multi-label, else val_acc."""
+    return ckpt.BEST_ACC_METRIC[multilabel]
+
+
+def best_key(metric):
+    """metrics.jsonl's key (and fit's) for the best value of `metric` so far: val_loss -> best_loss."""
+    return metric.replace("val_", "best_", 1)
+
+
+def _is_score(name, value):
+    """A validation number best.pt can follow: one float per epoch (not a count, a time or a list)."""
+    return name.startswith("val_") and isinstance(value, float) and name != "val_seconds"
+
+
+def best_metric_names(multilabel, num_classes, ema):
+    """The numbers train.best_metric may name: the validation floats of every epoch's metrics.jsonl
+    line, known before training from the functions that compute them (run on no images)."""
+    if multilabel:
+        no_images = torch.zeros(0, num_classes)
+        report = {"val_loss": 0.0, **multilabel_report(no_images, no_images, torch.full((num_classes,), 0.5))}
+    else:
+        report = {"val_loss": 0.0, "val_acc": 0.0, **{name: 0.0 for name in sample_metrics(num_classes)},
+                  **classification_report(torch.zeros(num_classes, num_classes))}
+    names = [name for name, value in report.items() if _is_score(name, value)]
+    return names + [f"{name}_ema" for name in EMA_METRICS[multilabel] if ema and name in names]
+
+
+def resolve_best(train_cfg, multilabel, names):
+    """(metric, mode) of train.best_metric and train.best_mode; auto: val_acc (val_map multi-label), and
+    min for a loss, else max. A metric not in `names` is refused in one line that lists them."""
+    metric = score_key(multilabel) if train_cfg.best_metric == "auto" else train_cfg.best_metric
+    if metric not in names:
+        raise UserError(f"train.best_metric={metric} is not a metric of this run; choose one of {', '.join(names)}",
+                        every_rank=True)
+    mode = train_cfg.best_mode
+    if mode == "auto":
+        mode = "min" if metric.removesuffix("_ema").endswith("loss") else "max"
+    return metric, mode
 
 
 def build_step(cfg, model, train_loader, classes, dist_info):
@@ -901,23 +955,23 @@ def _train_epoch(run, epoch):
     if end.stopped:
         _raise_stopped(stop, f"in epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     val, worst, pr = _validate(run)
-    # With an EMA, the better of the two weight sets competes; best.pt records which ("best_weights").
-    # Multi-label runs compete on val_map, the others on val_acc.
-    key = score_key(run_state.multilabel)
-    which = "ema" if run.step.ema is not None and val[f"{key}_ema"] > val[key] else "model"
-    score = val[f"{key}_ema"] if which == "ema" else val[key]
-    is_best = score > run_state.best_acc
+    # best.pt follows train.best_metric (best_mode); with an EMA the better of the two weight sets
+    # competes, and best.pt records which ("best_weights"). Only a strict improvement counts.
+    which, score = _best_candidate(run_state, val)
+    is_best = run_state.better(score, run_state.best_score)
     if is_best:
-        run_state.best_acc, run_state.best_weights = score, which
+        run_state.best_score, run_state.best_weights, run_state.best_epoch = score, which, epoch + 1
+    run_state.bad_epochs = 0 if is_best else run_state.bad_epochs + 1  # in the checkpoint: a resume counts on
     if run_state.multilabel:  # those of the weights a checkpoint's user loads (checkpoint.best_weights)
         run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
     run_state.epoch = epoch + 1
     run.saver.save(run_state, is_best=is_best)
     cam = _gallery_cam(run.step.model, cfg) if cfg.train.figures and worst and run.logger.enabled else None
+    key = score_key(run_state.multilabel)
     figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
                                             run_state.global_step, pr, cam) if cfg.train.figures else 0.0
     metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
-               key.replace("val_", "best_"): run_state.best_acc,
+               best_key(run_state.best_metric): run_state.best_score,
                **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
                "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
     run.logger.epoch(metrics, run.classes)
@@ -935,6 +989,41 @@ def _train_epoch(run, epoch):
     return metrics
 
 
+def _best_candidate(run_state, val):
+    """(which weights, score) compete this epoch for best.pt: the value of run_state.best_metric, or with an
+    EMA the better of it and its twin (val_acc and val_acc_ema, val_loss and val_loss_ema); a metric named
+    *_ema is the EMA's alone."""
+    metric = run_state.best_metric
+    if metric not in val:  # best_metric_names missed one: refused before any checkpoint is written as best
+        names = ", ".join(k for k, v in val.items() if _is_score(k, v))
+        raise UserError(f"train.best_metric={metric} is not a metric of this run; choose one of {names}",
+                        every_rank=True)
+    if metric.endswith("_ema"):
+        return "ema", val[metric]
+    twin = val.get(f"{metric}_ema")
+    if twin is not None and run_state.better(twin, val[metric]):
+        return "ema", twin
+    return "model", val[metric]
+
+
+def _early_stop(run):
+    """Whether the run ends now, before epoch run_state.epoch + 1: train.early_stop_patience epochs
+    without improvement. Rank 0 decides and every rank gets its answer (a broadcast every rank runs), so all stop at
+    the same epoch even where their views differed."""
+    patience, run_state = run.cfg.train.early_stop_patience, run.run_state
+    if not patience:
+        return False
+    return broadcast_object(run_state.bad_epochs >= patience if run.dist_info.rank == 0 else None)
+
+
+def early_stop_line(run_state):
+    """The one line rank 0 prints when train.early_stop_patience ends the run."""
+    at = f" at epoch {run_state.best_epoch}" if run_state.best_epoch else ""
+    epochs = f"{run_state.bad_epochs} epoch" + ("s" if run_state.bad_epochs != 1 else "")
+    return (f"early stop: {run_state.best_metric} has not improved for {epochs} "
+            f"(best {run_state.best_score:.4f}{at}); the run ends after epoch {run_state.epoch}")
+
+
 def input_bound_hint(share, epoch, loader):
     """The one line rank 0 prints when the loop waited for batches in most of an epoch's windows."""
     workers = getattr(loader, "num_workers", None)
@@ -942,6 +1031,11 @@ def input_bound_hint(share, epoch, loader):
     return (f"note: input-bound: the loop waited for batches in {share:.0%} of epoch {epoch + 1}'s training "
             f"time (train/data_wait); try more data.num_workers{now}, data.pipeline=gpu, a smaller "
             "data.img_size, or the data on a local disk; see docs/troubleshooting.md (several GPUs slower than one)")
+
+
+# The validation numbers evaluated for the EMA too (as <name>_ema), single-label and multi-label.
+EMA_METRICS = {False: ("val_loss", "val_acc", "val_macro_f1"),
+               True: ("val_loss", "val_map", "val_macro_f1", "val_threshold")}
 
 
 def _validate(run):
@@ -955,9 +1049,7 @@ def _validate(run):
     if step.ema is not None:  # the average's own evaluation, beside the raw weights'
         averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
                             **thresholds)
-        kept = ("val_loss", "val_map", "val_macro_f1", "val_threshold") if run.run_state.multilabel else \
-            ("val_loss", "val_acc", "val_macro_f1")
-        val.update({f"{k}_ema": averaged[k] for k in kept})
+        val.update({f"{k}_ema": averaged[k] for k in EMA_METRICS[run.run_state.multilabel]})
     # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
     val["bad_images"] = sum(ds.sync_bad_images() for ds in (run.train_loader.dataset, run.val_loader.dataset)
                             if hasattr(ds, "sync_bad_images"))
@@ -984,10 +1076,15 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
             task = {True: "multi-label", False: "single-label"}
             raise UserError(f"checkpoint '{resume_path}' is of a {task[theirs]} run, the data is {task[multilabel]} "
                             "(data.task)", every_rank=True)
-        weights = ckpt.best_weights(state)  # its EMA where that made the best accuracy (train.ema_decay)
+        weights = ckpt.best_weights(state)  # its EMA where that made the best score (train.ema_decay)
         ckpt.load_weights(model, weights)
         source += " (EMA weights)" if weights is state.get("ema") else ""
+        metric = ckpt.RunState.of(state).best_metric
         del state, weights
+    else:
+        metric = resolve_best(cfg.train, multilabel, best_metric_names(multilabel, len(classes), ema=True))[0]
+    # What best.pt was chosen by (the checkpoint's, else train.best_metric), read on the weights evaluated here.
+    metric = metric.removesuffix("_ema")
     if dist_info.rank == 0:
         check_writable(run_dir)
     val = evaluate(model, val_loader, device, len(classes), EvalSettings(*compute_settings(cfg, device, multilabel=multilabel)),
@@ -1004,7 +1101,7 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
         val["val_worst"] = [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]}
                             for w in val.get("val_worst", [])]
     split = getattr(val_loader.dataset, "split", "val")
-    result = {"checkpoint": source, "split": split, "classes": list(classes),
+    result = {"checkpoint": source, "split": split, "classes": list(classes), "best_metric": metric,
               **profiling.model_cost(ckpt.unwrap(model), cfg.data.img_size, cfg.data.channels), **val}
     if dist_info.rank == 0:
         if multilabel:
@@ -1027,7 +1124,7 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
             scores = f"accuracy {val['val_acc']:.4f}{top5}"
         print(f"eval-only: {source} on {split}: {val['val_count']} images  {scores}  "
               f"macro-F1 {val['val_macro_f1']:.4f}  -> {run_dir / 'eval.json'}", flush=True)
-    return {"best_acc": val[score_key(multilabel)], "run_dir": str(run_dir), "last": result}
+    return {best_key(metric): val.get(metric), "best_metric": metric, "run_dir": str(run_dir), "last": result}
 
 
 # The per-label columns of a multi-label eval.json's table ("labels"), each a val_* list of evaluate's.

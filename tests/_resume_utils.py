@@ -36,8 +36,9 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def assert_same_weights(a, b):
-    """Every model tensor, optimizer buffer and the schedule of two checkpoints: bit-for-bit equal."""
+def assert_same_weights(a, b, run_state=True):
+    """Every model tensor, optimizer buffer, the schedule and (`run_state`) the run state of two checkpoints:
+    bit-for-bit equal."""
     a, b = load(a), load(b)
     assert a["model"].keys() == b["model"].keys()
     for k in a["model"]:
@@ -46,7 +47,12 @@ def assert_same_weights(a, b):
         for name, t in st.items():
             assert torch.equal(t, b["optimizer"]["state"][pid][name]), f"optimizer {pid}.{name} differs"
     assert a["scheduler"] == b["scheduler"]
-    assert (a["epoch"], a["global_step"], a["best_acc"]) == (b["epoch"], b["global_step"], b["best_acc"])
+    if not run_state:
+        return
+    # The run state (utils.checkpoint.RunState; best_acc only where the best is val_acc's or val_map's).
+    run_state = ("epoch", "global_step", "best_acc", "best_score", "best_metric", "best_mode", "best_epoch",
+                 "bad_epochs")
+    assert {k: a.get(k) for k in run_state} == {k: b.get(k) for k in run_state}
 
 
 def metrics(run_dir):

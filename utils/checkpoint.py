@@ -1,20 +1,23 @@
 """Checkpoints: what a run needs to continue exactly, written atomically by rank 0.
 
     <run>/checkpoints/last.pt        after every epoch, every train.save_every_steps steps, and on SIGTERM/SIGINT
-    <run>/checkpoints/best.pt        on a new best validation accuracy
+    <run>/checkpoints/best.pt        on a new best of train.best_metric (validation accuracy by default)
     <run>/checkpoints/epoch_NNN.pt   the last train.keep_last epochs, if > 0
 
     python train.py --output-dir runs/a --resume auto      # continue runs/a (or start it)
     python train.py --output-dir runs/b --resume runs/a/checkpoints/epoch_002.pt
 
 A checkpoint holds the unwrapped weights, optimizer, schedule, GradScaler,
-epoch, global step, best accuracy, resolved config, class names, the data
+epoch, global step, best score, resolved config, class names, the data
 layout (seed, world size, batch size: the per-epoch order is a function of
 these), and per rank the random states (Python, NumPy, torch CPU and CUDA)
 plus, for a checkpoint written mid-epoch, the steps already done in that epoch
 and their loss sums, so a resumed run ends bit-for-bit where an uninterrupted
 one would. With train.ema_decay it also holds the EMA of the weights ("ema"),
-and "best_weights" says which of the two scored best_acc. A multi-label run's checkpoints say so
+and "best_weights" says which of the two scored best. "best_score" is the best value of
+"best_metric" (train.best_metric, "best_mode" max or min) at epoch "best_epoch", and "bad_epochs"
+the epochs since without improvement, so train.early_stop_patience stops a resumed run where an
+uninterrupted one stops. A multi-label run's checkpoints say so
 ("multilabel") and hold each label's threshold ("thresholds"), which predict.py and export.py use.
 
 A save goes to a temporary file in the same directory, is fsynced and renamed
@@ -127,29 +130,59 @@ def atomic_link(src, dst):
         raise
 
 
+# What a checkpoint's best_acc holds (the only best before train.best_metric), per task (multi-label or not).
+BEST_ACC_METRIC = {False: "val_acc", True: "val_map"}
+
+
 @dataclass
 class RunState:
     """Where a run stands, in one place: what every epoch moves on, every checkpoint saves (make_state)
     and a resume restores (restore)."""
     epoch: int = 0                      # epochs finished: the next one to train
     global_step: int = 0                # optimizer steps taken
-    best_acc: float = -1.0              # the best val_acc, or multi-label the best val_map
-    best_weights: str = "model"         # which weights scored best_acc: "model", or "ema" (train.ema_decay)
+    best_score: Optional[float] = None  # the best value of best_metric so far; None before the first evaluation
+    best_weights: str = "model"         # which weights scored best_score: "model", or "ema" (train.ema_decay)
     multilabel: bool = False            # the data's task: sigmoid outputs, one threshold per label
     thresholds: Optional[list] = None   # multi-label: each label's threshold, of the last evaluation
+    best_metric: str = ""               # what best.pt follows (train.best_metric): val_acc, val_loss, ...
+    best_mode: str = "max"              # "max" or "min": which way best_metric improves (train.best_mode)
+    best_epoch: int = 0                 # the epoch (1-based) that scored best_score; 0 = none or not recorded
+    bad_epochs: int = 0                 # epochs since then without a strict improvement (train.early_stop_patience)
     resume_at: Optional[dict] = None    # not saved: a mid-epoch checkpoint's point in its epoch (resume_point)
 
     def saved(self):
-        return {"epoch": self.epoch, "global_step": self.global_step, "best_acc": self.best_acc,
-                "best_weights": self.best_weights, "multilabel": self.multilabel,
+        # best_acc, the old name, only where it still means what it meant: val_acc (val_map multi-label), max.
+        old = self.best_metric == BEST_ACC_METRIC[self.multilabel] and self.best_mode == "max"
+        return {"epoch": self.epoch, "global_step": self.global_step, "best_score": self.best_score,
+                "best_metric": self.best_metric, "best_mode": self.best_mode, "best_epoch": self.best_epoch,
+                "bad_epochs": self.bad_epochs, "best_weights": self.best_weights, "multilabel": self.multilabel,
+                **({"best_acc": self.best_score} if old else {}),
                 **({"thresholds": self.thresholds} if self.multilabel else {})}
 
     @classmethod
     def of(cls, state):
-        """A checkpoint's run state (best_weights "model" in one written before the EMA existed; single-label
-        in one written before multi-label)."""
-        return cls(state["epoch"], state["global_step"], state["best_acc"], state.get("best_weights", "model"),
-                   bool(state.get("multilabel", False)), state.get("thresholds"))
+        """A checkpoint's run state. Older layouts: best_weights "model" before the EMA existed, single-label
+        before multi-label, and before train.best_metric a best_acc of val_acc (val_map multi-label), max."""
+        multilabel = bool(state.get("multilabel", False))
+        score = state["best_score"] if "best_score" in state else state["best_acc"]
+        return cls(state["epoch"], state["global_step"], score, state.get("best_weights", "model"), multilabel,
+                   state.get("thresholds"), best_metric=state.get("best_metric", BEST_ACC_METRIC[multilabel]),
+                   best_mode=state.get("best_mode", "max"), best_epoch=state.get("best_epoch", 0),
+                   bad_epochs=state.get("bad_epochs", 0))
+
+    def better(self, score, than):
+        """Whether `score` strictly improves on `than` (None: nothing yet) in best_mode."""
+        return than is None or (score > than if self.best_mode == "max" else score < than)
+
+    def follow(self, metric, mode):
+        """Make best.pt follow `metric` in `mode`. A checkpoint that followed another restarts its best and
+        its early-stop count from here; returns the note that says so (None when nothing changes)."""
+        if (self.best_metric, self.best_mode) == (metric, mode):
+            return None
+        note = (f"note: the checkpoint's best.pt followed {self.best_metric} ({self.best_mode}), this run follows "
+                f"{metric} ({mode}): the best and the early-stop count restart") if self.best_metric else None
+        self.best_metric, self.best_mode, self.best_score, self.best_epoch, self.bad_epochs = metric, mode, None, 0, 0
+        return note
 
 
 def label_task(state):
@@ -282,7 +315,7 @@ def check_compatible(state, model, classes, model_name=None):
 
 
 def best_weights(state):
-    """The weights that made a checkpoint's best_acc: its EMA where that scored best
+    """The weights that made a checkpoint's best score: its EMA where that scored best
     (train.ema_decay, "best_weights": "ema"), else its model's."""
     ema = state.get("ema")
     return ema if isinstance(ema, dict) and ema and state.get("best_weights") == "ema" else state["model"]

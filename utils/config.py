@@ -105,6 +105,9 @@ class TrainConfig:
     ema_decay: float = MISSING
     profile: int = MISSING
     profile_ranks: str = MISSING
+    best_metric: str = MISSING
+    best_mode: str = MISSING
+    early_stop_patience: int = MISSING
 
 
 @dataclass
@@ -156,6 +159,7 @@ CLASSIC_FLAGS = {
 CHOICES = {
     "optim.name": ("sgd", "adamw"),
     "train.amp": ("auto", "bf16", "fp16", "off"),
+    "train.best_mode": ("auto", "max", "min"),
     "data.pipeline": ("pil", "gpu", "auto"),
     "data.gpu_decode": ("auto", "once", "per_batch"),
     "data.bad_image": ("warn", "error"),
@@ -296,6 +300,8 @@ def _check_ranges(cfg):
                         f"(batch size x processes)); drop train.accum_steps={cfg.train.accum_steps}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
+    if cfg.train.early_stop_patience < 0:
+        bad("train.early_stop_patience", f"{cfg.train.early_stop_patience}; 0 (off) or a number of epochs")
     for key in ("data.mixup_alpha", "data.cutmix_alpha"):
         if OmegaConf.select(cfg, key) < 0:
             bad(key, f"{OmegaConf.select(cfg, key)}; 0 (off) or a positive Beta(alpha, alpha) parameter")

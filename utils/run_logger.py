@@ -81,11 +81,12 @@ class RunLogger:
         self.writer.add_custom_scalars(LAYOUT)
 
     def _truncate_metrics(self, start_epoch):
-        """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch)."""
+        """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch); an event line
+        (a "done" marker) goes too: the resumed run writes its own."""
         if not self.metrics_path.exists():
             return
         kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["epoch"] <= start_epoch]
+                if line.strip() and json.loads(line).get("epoch", math.inf) <= start_epoch]
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)
@@ -128,6 +129,12 @@ class RunLogger:
                     if v is not None:  # e.g. the AP of a label without a positive
                         self.writer.add_scalar(f"{scalar_tag(key)}/{name}", v, global_step)
         self.writer.flush()
+
+    def event(self, name, **fields):
+        """A metrics.jsonl line that is no epoch's (no "epoch" key): {"event": "done", "reason": "early_stop", ...}."""
+        if self.enabled:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"time": round(time.time(), 3), "event": name, **fields}) + "\n")
 
     def image(self, tag, image, global_step):
         """An RGB uint8 (H, W, 3) picture from utils/figures.py, as a PNG in the event file. Encoded here:
@@ -190,7 +197,7 @@ class RunLogger:
 # section that sorts after train/ and val/, so the curves come first on screen.
 BOOKKEEPING = "~run"
 # metrics.jsonl key -> TensorBoard tag: "val_acc" -> "val/acc"; the rest by name.
-_TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s", "best_acc": "val/best_acc", "best_map": "val/best_map",
+_TAGS = {"lr": "train/epoch_lr", "img_per_s": "train/img_per_s",
          **{key: f"{BOOKKEEPING}/{key}" for key in ("epoch", "epoch_seconds", "figure_seconds", "train_seconds",
                                                     "val_seconds", "val_count", "bad_images")}}
 # The Custom Scalars tab: {section: {chart: ["Multiline", [tag regexes]]}}; a chart's lines are the tags
@@ -212,6 +219,8 @@ LAYOUT = {
 def scalar_tag(key):
     if key in _TAGS:
         return _TAGS[key]
+    if key.startswith("best_"):  # train.best_metric's best so far: best_acc -> val/best_acc, best_loss -> val/best_loss
+        return "val/" + key
     for prefix in ("train_", "val_"):
         if key.startswith(prefix):
             return prefix[:-1] + "/" + key[len(prefix):]
