@@ -64,12 +64,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils.cli import ArgumentParser, cli_entry  # noqa: E402
-from utils.config import CLASSIC_FLAGS, _load_yaml, build_arg_parser, load_config  # noqa: E402
+from utils.config import CLASSIC_FLAGS, _load_yaml, build_arg_parser, load_config, schema_only  # noqa: E402
 from utils.errors import RUNTIME_EXIT, UserError  # noqa: E402
 from utils.jobs import Slots, forwarding_signals, run_job, slot_devices, stopping  # noqa: E402
 
 OWNER = f"{socket.gethostname()}:{os.getpid()}"  # which sweep process runs a trial: a dead one's trials are retried
-POLL_S = 0.5  # how often a running trial's metrics.jsonl is read
+POLL_S = 0.1  # how often a running trial's metrics.jsonl is read
 
 
 def parse_args(argv):
@@ -113,7 +113,8 @@ def read_space(path):
         space[key] = _parse_spec(path, key, spec)
         for value in (space[key][1:3] if space[key][0] != "choice" else space[key][1]):
             try:  # the schema's own check: an unknown key or a value of the wrong type stops here
-                load_config([f"{key}={value}"])
+                with schema_only():
+                    load_config([f"{key}={value}"])
             except UserError as e:
                 raise UserError(f"search space '{path}': {e}") from None
     return space

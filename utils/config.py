@@ -11,6 +11,7 @@ key is one line in each. Everything is validated before any work starts: an
 unknown key, a value of the wrong type or a key without a default stops with
 one line that names it.
 """
+import contextlib
 import difflib
 import os
 from dataclasses import dataclass, field
@@ -175,6 +176,18 @@ CHOICES = {
 # registers its model.name / model.pretrained check here when imported. Every entry script
 # imports model.py, so the check runs at config time, before any data is read.
 _REGISTERED_CHECKS = []
+
+
+@contextlib.contextmanager
+def schema_only():
+    """load_config without the registered checks: the schema's keys, types and ranges only (tools/sweep.py
+    checks a search space so, whatever modules its process has imported; a trial runs the full checks)."""
+    saved = _REGISTERED_CHECKS[:]
+    _REGISTERED_CHECKS.clear()
+    try:
+        yield
+    finally:
+        _REGISTERED_CHECKS[:] = saved
 
 
 def register_check(fn):
