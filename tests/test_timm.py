@@ -23,6 +23,7 @@ import torch
 from _resume_utils import assert_same_run, load, metrics, one_thread, run_args, run_main  # noqa: F401
 from conftest import make_image_folder, run_entry
 import export
+import predict
 import train
 from model import build_model, create_model
 from utils.config import load_config
@@ -117,6 +118,15 @@ def test_export_takes_a_timm_run(frozen_run, tmp_path, fmt, capsys):
     assert export.main([str(frozen_run["run"]), "--format", fmt, "--out", str(out), "--speed-repeats", "0"]) <= 1e-4
     side = json.loads(out.with_name(out.name + ".json").read_text())
     assert side["model"] == "timm/test_efficientnet" and out.is_file()
+
+
+def test_predict_cam_takes_a_timm_models_last_feature_module(frozen_run, tmp_path, capsys):
+    """No table entry for timm's classes: its own feature_info names the layer (test_efficientnet: blocks.4)."""
+    images = sorted((frozen_run["run"].parent / "flowers" / "daisy").iterdir())[:2]
+    rows = predict.main([str(frozen_run["run"]), *map(str, images), "--cam", str(tmp_path / "cam"), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "2 Grad-CAM overlay(s) (layer blocks.4)" in out, out[-600:]
+    assert len(rows) == 2 and len(list((tmp_path / "cam").glob("*_cam_*.png"))) == 2
 
 
 def fake_hf_cache(root, arch_tag, state):
