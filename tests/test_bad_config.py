@@ -167,6 +167,10 @@ def test_out_of_memory_names_the_rank_and_leaves_out_what_is_already_on():
     assert str(e) == ("out of memory on cuda:3 (rank 3 of 8) at --batch-size 5 per process: try a smaller "
                       "--batch-size with a larger train.accum_steps (the global batch stays 80)")
     assert e.exit_code == 1
+    # With train.global_batch the accumulation follows from the batch: halving it is the whole advice.
+    cfg.train.global_batch, cfg.train.batch_size, cfg.train.accum_steps = 64, 8, 1
+    e = out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory."), cfg, info, "fsdp")
+    assert str(e).endswith("try --batch-size 4 (train.global_batch=64 stays: the accumulation grows)"), str(e)
 
 
 def test_weights_of_another_architecture_load_what_fits_and_report(earlier, tmp_path):

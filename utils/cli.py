@@ -106,7 +106,11 @@ def out_of_memory(e, cfg, dist_info, script_name):
                       f" with {free.group(1)} free" if asked and free else ""])
     where = f"rank {dist_info.rank} of {world}" if world > 1 else "the only process"
     tries = []
-    if batch > 1:
+    fixed = getattr(cfg.train, "global_batch", 0)  # train.global_batch derives the accumulation itself
+    if batch > 1 and fixed:
+        smaller = f"--batch-size {batch // 2}" if fixed % (batch // 2 * world) == 0 else "a smaller --batch-size"
+        tries.append(f"{smaller} (train.global_batch={fixed} stays: the accumulation grows)")
+    elif batch > 1:
         smaller = (f"--batch-size {batch // 2} with train.accum_steps={2 * accum}" if batch % 2 == 0 else
                    "a smaller --batch-size with a larger train.accum_steps")
         tries.append(f"{smaller} (the global batch stays {batch * accum * world})")
