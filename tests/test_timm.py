@@ -129,6 +129,22 @@ def test_predict_cam_takes_a_timm_models_last_feature_module(frozen_run, tmp_pat
     assert len(rows) == 2 and len(list((tmp_path / "cam").glob("*_cam_*.png"))) == 2
 
 
+def test_sync_bn_keeps_the_activation_inside_timms_batchnorm(capsys):
+    """--syncBN on CUDA converts timm's BatchNormAct2d (its activation inside) to SyncBatchNormAct, not to a
+    bare SyncBatchNorm. The conversion needs no GPU; only SyncBatchNorm's forward does."""
+    from timm.layers import BatchNormAct2d
+    from timm.layers.norm_act import SyncBatchNormAct
+    from utils.distributed_utils import convert_sync_bn
+    net = create_model("timm/test_efficientnet", num_classes=5)
+    acts = [type(m.act) for m in net.modules() if isinstance(m, BatchNormAct2d)]
+    assert acts and any(a is not torch.nn.Identity for a in acts)
+    synced = [m for m in convert_sync_bn(net, True, torch.device("cuda")).modules()
+              if isinstance(m, torch.nn.SyncBatchNorm)]
+    # torch's own converter keeps the `act` child too, but as a bare SyncBatchNorm whose forward skips it.
+    assert all(isinstance(m, SyncBatchNormAct) for m in synced) and [type(m.act) for m in synced] == acts
+    assert f"SyncBatchNorm: {len(acts)} BatchNorm layers" in capsys.readouterr().out
+
+
 def fake_hf_cache(root, arch_tag, state):
     """The layout huggingface_hub writes: models--timm--<arch.tag>/{refs/main, snapshots/<commit>/model.safetensors}."""
     from safetensors.torch import save_file

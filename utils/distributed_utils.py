@@ -268,7 +268,12 @@ def convert_sync_bn(model, enabled, device, verbose=True):
     if not enabled:
         return model
     if device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        convert = torch.nn.SyncBatchNorm.convert_sync_batchnorm
+        if any(type(m).__module__.startswith("timm.") for m in model.modules()):
+            # timm's BatchNormAct2d is a BatchNorm2d with its activation inside: torch's converter would
+            # make it a bare SyncBatchNorm and drop the activation; timm's keeps it (SyncBatchNormAct).
+            from timm.layers import convert_sync_batchnorm as convert
+        model = convert(model)
         if verbose:
             count = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
             print(f"SyncBatchNorm: {count} BatchNorm layers now normalise over the global batch")
