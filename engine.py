@@ -901,9 +901,8 @@ def _log_start(run, resume_path, notes):
         logger.write_config(cfg)
         logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(run.classes)})
         # The headline number, the best of train.best_metric (val/best_acc by default; val/best_loss ...), and more.
-        shown = [scalar_tag(score_key(step.criterion.multilabel)), scalar_tag(best_key(run_state.best_metric)),
-                 "val/macro_f1", "val/loss", "train/loss"]
-        logger.hparams({**config_to_dict(cfg), **cost}, list(dict.fromkeys(shown)))
+        logger.hparams({**config_to_dict(cfg), **cost}, [scalar_tag(score_key(step.criterion.multilabel)),
+                       scalar_tag(best_key(run_state.best_metric)), "val/macro_f1", "val/loss", "train/loss"])
     resume_at = run_state.resume_at
     where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
     logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "

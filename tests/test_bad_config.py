@@ -160,7 +160,7 @@ def test_out_of_memory_names_the_rank_and_leaves_out_what_is_already_on():
     from types import SimpleNamespace
     from utils.cli import out_of_memory
     from utils.distributed_utils import DistInfo
-    cfg = SimpleNamespace(train=SimpleNamespace(batch_size=5, accum_steps=2, compile=False),
+    cfg = SimpleNamespace(train=SimpleNamespace(batch_size=5, accum_steps=2, global_batch=0, compile=False),
                           model=SimpleNamespace(activation_checkpointing=True))
     info = DistInfo(rank=3, world_size=8, device=torch.device("cuda", 3))
     e = out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory."), cfg, info, "fsdp")

@@ -106,7 +106,7 @@ def out_of_memory(e, cfg, dist_info, script_name):
                       f" with {free.group(1)} free" if asked and free else ""])
     where = f"rank {dist_info.rank} of {world}" if world > 1 else "the only process"
     tries = []
-    fixed = getattr(cfg.train, "global_batch", 0)  # train.global_batch derives the accumulation itself
+    fixed = cfg.train.global_batch  # when set, it derives the accumulation itself
     if batch > 1 and fixed:
         smaller = f"--batch-size {batch // 2}" if fixed % (batch // 2 * world) == 0 else "a smaller --batch-size"
         tries.append(f"{smaller} (train.global_batch={fixed} stays: the accumulation grows)")
