@@ -1,17 +1,22 @@
 """Shared test helpers: tiny image folders and running the real entry scripts.
 
 Tests run on CPU. Small models and 32 px images keep a whole run to seconds;
-`slow` marks the ones that still take longer (they run in CI too).
+`slow` marks the ones that still take longer (they run in CI too). A `python ...` or `torchrun ...`
+child is forked from the test process, torch already imported (tests/_fork.py); `real_exec` marks the
+tests whose children must be new interpreters.
 """
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from PIL import Image
+
+import _fork
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -83,9 +88,9 @@ def workers_of(launcher_pid):
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid:
-                rank = [e for e in (stat.parent / "environ").read_bytes().split(b"\0") if e.startswith(b"RANK=")]
-                if rank:
-                    found[int(rank[0][5:])] = int(stat.parent.name)
+                rank = _fork.rank_of(int(stat.parent.name))
+                if rank is not None:
+                    found[rank] = int(stat.parent.name)
         except (OSError, IndexError, ValueError):  # the process ended meanwhile
             continue
     return found
@@ -111,6 +116,29 @@ def checkpoint_with_sizes(tmp_path, monkeypatch, state, data, img_size, val_resi
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds; still runs in CI")
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+    config.addinivalue_line("markers", "real_exec: its Python children are exec'd, not forked (tests/_fork.py)")
+    _fork.install(tempfile.mkdtemp(prefix="tests-fork-"))
+
+
+def pytest_unconfigure(config):
+    if _fork.REGISTRY is not None:
+        shutil.rmtree(_fork.REGISTRY, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _exec_module_children(request):
+    """A module marked real_exec (pytestmark) execs its children, its shared fixtures' included."""
+    _fork.ENABLED = request.node.get_closest_marker("real_exec") is None
+    yield
+    _fork.ENABLED = True
+
+
+@pytest.fixture(autouse=True)
+def _exec_test_children(request):
+    saved = _fork.ENABLED
+    _fork.ENABLED = saved and request.node.get_closest_marker("real_exec") is None
+    yield
+    _fork.ENABLED = saved
 
 
 SESSION_FOLDERS = set()  # made by session-scoped fixtures, used by later modules

@@ -8,8 +8,10 @@ tokens' reshape) learn in-process that the class is the corner holding a bright 
 of an image's class peaks in its corner for every image they get right. The "none" class is what makes
 the corner the evidence: with one patch in every image, "the other three corners are dark" tells the
 class as well, and a from-scratch ViT learns that instead (its maps then peak in the other corners).
-Grad-CAM on a from-scratch ViT is less steady than on a CNN: seed 3 gives 8 of 8; seeds 0-8 gave 50-100 %
-(the CNN 100 % on every seed tried). One
+Grad-CAM on a from-scratch ViT is less steady than on a CNN, and its maps differ from one CPU to another:
+so six ViTs (seeds 0-5) are judged together, and at least 55 % of the images they get right must peak in
+their corner. On an AMD EPYC: 65 of 96 (68 %); with the token grid transposed 39 of 96, flipped 5 of 96;
+chance is 25 %. The CNN gets every image right on every seed tried. One
 in-process train.py run with the gallery on trains bit for bit as one with it off, and its TensorBoard
 picture has three cells per mistake; predict.py --cam writes one overlay per image (or per class asked, or
 per predicted label of a multi-label model);
@@ -76,7 +78,8 @@ def trained(net, steps, lr):
     return net.eval()
 
 
-def peaks_in_corners(net, layer=None):
+def corner_peaks(net, layer=None):
+    """(images the net gets right of the 16 with a patch, how many of their maps peak in their corner)."""
     images, labels = corner_images(20, seed=1)
     images, labels = images[labels < CORNERS], labels[labels < CORNERS]  # 16 images with a patch
     with torch.no_grad():
@@ -86,7 +89,8 @@ def peaks_in_corners(net, layer=None):
     maps = Explainer(net, layer).maps(images, list(enumerate(labels.tolist())))
     peak = maps.flatten(1).argmax(1)
     rows, cols = peak // 32, peak % 32
-    return [(int(r) >= 16, int(c) >= 16) for r, c in zip(rows, cols)] == [(k >= 2, k % 2 == 1) for k in labels.tolist()]
+    hits = [(int(r) >= 16, int(c) >= 16) == (k >= 2, k % 2 == 1) for r, c, k in zip(rows, cols, labels.tolist())]
+    return len(hits), sum(hits)
 
 
 def test_the_map_peaks_in_the_evidence_corner_for_a_cnn_and_a_vit(monkeypatch):
@@ -95,12 +99,17 @@ def test_the_map_peaks_in_the_evidence_corner_for_a_cnn_and_a_vit(monkeypatch):
     with single_thread():
         torch.manual_seed(0)
         cnn = trained(model_py.create_model("tiny_cnn", num_classes=CLASSES), steps=60, lr=3e-3)
-        assert peaks_in_corners(cnn, "features")  # model.cam_layer's path
-        torch.manual_seed(3)
-        vit = model_py.create_model("tiny_vit", num_classes=CLASSES)
-        layer, reshape = find_target(vit)  # the table's ViT entry, found by class
-        assert (layer, reshape) == ("encoder.layers.encoder_layer_1.ln_1", "tokens")
-        assert peaks_in_corners(trained(vit, steps=150, lr=3e-3))
+        right, hits = corner_peaks(cnn, "features")  # model.cam_layer's path
+        assert hits == right
+        judged = []
+        for seed in range(6):
+            torch.manual_seed(seed)
+            vit = model_py.create_model("tiny_vit", num_classes=CLASSES)
+            layer, reshape = find_target(vit)  # the table's ViT entry, found by class
+            assert (layer, reshape) == ("encoder.layers.encoder_layer_1.ln_1", "tokens")
+            judged.append(corner_peaks(trained(vit, steps=300, lr=1e-3)))
+        right, hits = map(sum, zip(*judged))
+        assert hits >= 0.55 * right, judged
     # The tokens' reshape: the class token dropped, patch token t at grid cell (t // 4, t % 4), as
     # conv_proj's flatten laid them out.
     tokens = torch.arange(1 + 16, dtype=torch.float32).view(1, 17, 1).expand(1, 17, 3)

@@ -35,7 +35,8 @@ def report():
             names.append(open(f"/proc/self/task/{tid}/comm").read())
         except OSError:
             pass
-    print("gloo threads at exit:", sum(n.startswith(("pt_gloo", "gloo")) for n in names), file=sys.stderr)
+    gloo = sum(n.startswith(("pt_gloo", "gloo")) for n in names)
+    sys.stderr.write(f"gloo threads at exit: {gloo}\\n")  # one write: the ranks share the pipe
 atexit.register(report)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
