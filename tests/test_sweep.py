@@ -201,3 +201,24 @@ def test_a_typo_in_the_space_stops_before_trial_1_in_one_line(tmp_path):
     assert err.strip() == (f"error: search space '{tmp_path / 'space.yaml'}': unknown config key 'optim.lrr' "
                            "(did you mean 'optim.lr'?)")
     assert not (tmp_path / "sw").exists()
+
+
+def test_a_retried_trial_that_its_old_epochs_prune_is_never_started_again(tmp_path):
+    """The interrupted run's epochs are reported before the retry starts: when they prune it, no run
+    starts (a SIGTERM during a run's start-up would end it before it could save and say so)."""
+    import optuna
+    tool = load_tool()
+
+    class Always(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return True
+
+    run_dir = tmp_path / "trial_0"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "val_acc": 0.2}) + "\n")
+    args = tool.parse_args([str(tmp_path / "space.yaml"), "--trials", "1", "--dir", str(tmp_path), "--",
+                            sys.executable, "-c", "pass"])
+    trial = optuna.create_study(pruner=Always(), direction="maximize").ask()
+    result, pruned_at = tool.Sweep(args, {})._watch(trial, args.command, run_dir, [], None)
+    assert (result, pruned_at) == (None, 1)
+    assert not (run_dir / "job.log").exists()  # run_job writes it as a run starts

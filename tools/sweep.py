@@ -353,11 +353,10 @@ class Sweep:
             self.fatal = self.fatal or f"--metric {metric} is not in the runs' metrics.jsonl; it has: {names}"
             terminate()
 
-        thread = threading.Thread(target=job, daemon=True)
-        thread.start()
         seen, pruned_at = 0, None
-        while True:
-            done = not thread.is_alive()  # read once more after the run ended: its last epoch
+
+        def report():  # the epochs metrics.jsonl holds beyond those already reported
+            nonlocal seen, pruned_at
             for epoch, value in epoch_values(run_dir, self.args.metric, missing)[seen:]:
                 seen += 1
                 if pruned_at is None and self.args.pruner != "none":
@@ -365,6 +364,17 @@ class Sweep:
                     if trial.should_prune():
                         pruned_at = epoch
                         terminate()
+
+        # A retried trial's epochs so far come first: a run they prune is never started (a SIGTERM
+        # during its start-up would end it before it could save and say so).
+        report()
+        if pruned_at is not None:
+            return None, pruned_at
+        thread = threading.Thread(target=job, daemon=True)
+        thread.start()
+        while True:
+            done = not thread.is_alive()  # read once more after the run ended: its last epoch
+            report()
             if done:
                 break
             time.sleep(POLL_S)
