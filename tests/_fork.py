@@ -49,7 +49,6 @@ def install(registry):
     global REGISTRY
     REGISTRY = Path(registry)
     REGISTRY.mkdir(parents=True, exist_ok=True)
-    os.environ["TESTS_FORK_REGISTRY"] = str(REGISTRY)
     subprocess.Popen = ForkPopen
 
 
@@ -60,7 +59,7 @@ def _started(pid):
 
 def _registered(pid):
     try:
-        entry = json.loads((Path(os.environ["TESTS_FORK_REGISTRY"]) / str(pid)).read_text())
+        entry = json.loads((REGISTRY / str(pid)).read_text())
         return entry if entry["started"] == _started(pid) else None
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -165,10 +164,9 @@ def _flush():
 
 
 def _register(argv, rank=None):
-    folder = os.environ.get("TESTS_FORK_REGISTRY")
-    if folder:
+    if REGISTRY is not None:  # a forked child's copy of the test process's module: the same folder
         pid = os.getpid()
-        (Path(folder) / str(pid)).write_text(json.dumps({"argv": argv, "rank": rank, "started": _started(pid)}))
+        (REGISTRY / str(pid)).write_text(json.dumps({"argv": argv, "rank": rank, "started": _started(pid)}))
 
 
 def _stream(fd, mode, unbuffered, **kw):
@@ -195,12 +193,6 @@ def _fresh_process_state(unbuffered):
     if os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
     atexit._clear()
-    warnings.resetwarnings()  # the interpreter's default filters, as in a release build
-    warnings.onceregistry.clear()
-    for action, category in (("ignore", ResourceWarning), ("ignore", ImportWarning),
-                             ("ignore", PendingDeprecationWarning), ("ignore", DeprecationWarning)):
-        warnings.simplefilter(action, category)
-    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
     for logger in [logging.root, *logging.Logger.manager.loggerDict.values()]:
         for handler in list(getattr(logger, "handlers", ())):
             if type(handler).__module__.startswith("_pytest"):
@@ -213,14 +205,20 @@ def _fresh_process_state(unbuffered):
         if path.startswith(str(REPO) + os.sep) and not path.startswith(sys.prefix) and name != __name__:
             del sys.modules[name]
     torch = sys.modules.get("torch")
-    if torch is None:  # imported by the child itself, fresh
-        return
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    torch.use_deterministic_algorithms(False)
-    torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = False
-    torch.set_default_dtype(torch.float32)
-    torch.set_grad_enabled(True)
-    torch.manual_seed(67280421310721)  # torch's seed at start-up
+    if torch is not None:  # else the child imports it itself, fresh
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = False
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        torch.manual_seed(67280421310721)  # torch's seed at start-up
+    # Last: the calls above may import modules (sympy) that add filters of their own.
+    warnings.resetwarnings()  # the interpreter's default filters, as in a release build
+    warnings.onceregistry.clear()
+    for action, category in (("ignore", ResourceWarning), ("ignore", ImportWarning),
+                             ("ignore", PendingDeprecationWarning), ("ignore", DeprecationWarning)):
+        warnings.simplefilter(action, category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
 def run_python(args):
