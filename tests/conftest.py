@@ -61,8 +61,9 @@ def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
     """Run an entry script as a user would: `python script ...` or torchrun with `nproc` gloo processes."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / script)]
+        # No --master_port: on one node torchrun then binds a free port itself (c10d on localhost:0),
+        # where one picked here could be taken by another test's gloo sockets before it binds.
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(REPO / script)]
     else:
         cmd = [sys.executable, str(REPO / script)]
     proc = subprocess.Popen(cmd + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
