@@ -222,3 +222,36 @@ def test_a_retried_trial_that_its_old_epochs_prune_is_never_started_again(tmp_pa
     result, pruned_at = tool.Sweep(args, {})._watch(trial, args.command, run_dir, [], None)
     assert (result, pruned_at) == (None, 1)
     assert not (run_dir / "job.log").exists()  # run_job writes it as a run starts
+
+
+def test_two_threads_of_one_sweep_never_claim_the_same_queued_trial(tmp_path, monkeypatch):
+    """A retried trial waits in the queue; --n-jobs threads pop it. SQLite has no SELECT ... FOR UPDATE,
+    so Optuna's read-then-write claim let two threads take one trial: the same run twice in one folder,
+    then "Cannot tell a COMPLETE trial" (optuna #4002). The read is slowed here to open that window."""
+    import threading
+
+    from optuna.storages._rdb import models
+    tool = load_tool()
+    args = tool.parse_args([str(tmp_path / "space.yaml"), "--trials", "2", "--dir", str(tmp_path / "sw"), "--",
+                            sys.executable, "-c", "pass"])
+    args.dir.mkdir()
+    study = tool.open_study(args, *tool.resolve_storage(None, args.dir))
+    study.enqueue_trial({"optim.lr": 0.02})
+    find = models.TrialModel.find_or_raise_by_id.__func__
+
+    def slow_find(cls, trial_id, session, for_update=False):
+        found = find(cls, trial_id, session, for_update)
+        time.sleep(0.3 if for_update else 0)  # between reading WAITING and writing RUNNING
+        return found
+
+    monkeypatch.setattr(models.TrialModel, "find_or_raise_by_id", classmethod(slow_find))
+    numbers, start = [], threading.Barrier(2)
+
+    def ask():
+        start.wait()
+        numbers.append(study.ask().number)
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(numbers) == [0, 1]

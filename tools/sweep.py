@@ -29,9 +29,11 @@ folders. `{trial_dir}` in a command becomes the trial's folder.
     python tools/sweep.py space.yaml --trials 10 --dir runs/sweep \\
         -- python tools/kfold.py --folds 3 -- python train.py --config my.yaml
 
-Storage: sqlite:///DIR/study.db by default; `--storage journal` (DIR/journal.log, for a shared filesystem),
-any SQLAlchemy URL, or `env:VAR` to read the URL from an environment variable: a URL with a password is
-never printed (it shows as ***) nor written into DIR, and the trials do not inherit the variable.
+Storage: sqlite:///DIR/study.db by default, for one sweep process (SQLite cannot lock a row, so
+several sweep processes share a study through `--storage journal`, DIR/journal.log, which also serves a
+shared filesystem, or a database server); any SQLAlchemy URL; or `env:VAR` to read the URL from an
+environment variable: a URL with a password is never printed (it shows as ***) nor written into DIR,
+and the trials do not inherit the variable.
 
 It resumes: the same command again continues the study. A trial whose sweep process ended (killed,
 or this sweep stopped by SIGTERM/Ctrl-C) is marked FAIL and run again as a new trial in the same
@@ -212,8 +214,8 @@ def open_study(args, storage, shown, secrets):
         # draw under one lock (Sweep.objective), so a seeded sweep keeps its seed's values.
         sampler.reseed_rng = lambda: None
     try:
-        if isinstance(storage, str) and not storage.startswith("sqlite"):
-            storage = shared_storage(storage)
+        if isinstance(storage, str):
+            storage = rdb_storage(storage) if storage.startswith("sqlite") else shared_storage(storage)
         return optuna.create_study(storage=storage, study_name=args.study_name or args.dir.resolve().name,
                                    sampler=sampler, pruner=pruner,
                                    direction="maximize" if args.direction == "max" else "minimize",
@@ -235,7 +237,27 @@ def shared_storage(url):
         inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=180, **{name: retry})
+        return rdb_storage(url, heartbeat_interval=60, grace_period=180, **{name: retry})
+
+
+_CLAIM = threading.Lock()
+
+
+def rdb_storage(url, **kwargs):
+    """Optuna's RDBStorage, claiming a queued (retried) trial one thread at a time. Its claim reads WAITING
+    then writes RUNNING, and SQLite has no SELECT ... FOR UPDATE: two --n-jobs threads could both take one
+    trial, run it twice in one folder, and fail telling it twice (optuna #4002)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    class Storage(optuna.storages.RDBStorage):
+        def set_trial_state_values(self, trial_id, state, values=None):
+            if state != TrialState.RUNNING:
+                return super().set_trial_state_values(trial_id, state, values)
+            with _CLAIM:  # the next thread reads the committed RUNNING and passes the trial by
+                return super().set_trial_state_values(trial_id, state, values)
+
+    return Storage(url, **kwargs)
 
 
 # --------------------------------------------------------------------------- counting and retries
