@@ -5,6 +5,8 @@ Tests run on CPU. Small models and 32 px images keep a whole run to seconds;
 child is forked from the test process, torch already imported (tests/_fork.py); `real_exec` marks the
 tests whose children must be new interpreters.
 """
+import contextlib
+import itertools
 import os
 import shutil
 import socket
@@ -51,10 +53,21 @@ def image_root(tmp_path):
     return make_image_folder(tmp_path / "flowers")
 
 
+_PORTS = itertools.count()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a test's rendezvous, free now and kept from the others' way: below the kernel's ephemeral
+    range (32768+), where no socket that binds port 0 (gloo's pairs, another worker's clients) lands, and in
+    a block of its own for each xdist worker. A port the OS picks, released and bound again later, could
+    meanwhile be handed to another test's socket: EADDRINUSE."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    for _ in range(500):
+        port = 15000 + 500 * (worker % 32) + next(_PORTS) % 500
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError("no free port in this worker's block")
 
 
 def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
