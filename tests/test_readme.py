@@ -191,6 +191,16 @@ def test_readme_demo_command_generates_the_demo_set_the_demo_config_reads(name):
             ".venv/bin/python train.py --config configs/demo.yaml") in GUIDES[name]
 
 
+@guides
+def test_the_trained_model_commands_read_the_run_the_start_command_writes(name):
+    """A newcomer types Start, then predict/export/--eval-only on its run: one folder, or 'does not exist'."""
+    start = "\n".join(commands(sections(GUIDES[name])[0]))
+    written = re.search(r"train\.py --config configs/demo\.yaml --output-dir (\S+)$", start, flags=re.M)
+    assert written, f"{name}: the Start command names its run directory (--output-dir)"
+    read = re.findall(r"(?:predict|export)\.py (runs/[^\s/`]+)|--resume (runs/[^\s/`]+)/checkpoints", GUIDES[name])
+    assert read and {a or b for a, b in read} == {written.group(1)}, read
+
+
 def test_every_config_key_named_in_the_manual_exists():
     for name, text in MANUAL.items():
         named = keys_named(text)
