@@ -159,8 +159,12 @@ def test_a_node_without_the_data_is_named_in_one_line(flowers, tmp_path):
 def test_plain_progress_lines_in_a_file_and_the_bar_on_a_terminal(tmp_path):
     from utils.run_logger import RunLogger
     from tqdm import tqdm
-    assert isinstance(RunLogger(tmp_path / "a", enabled=True, tty=True).progress_bar([1], 1, "x"), tqdm)
-    assert not isinstance(RunLogger(tmp_path / "b", enabled=True, tty=False).progress_bar([1], 1, "x"), tqdm)
+    for name, tty in (("a", True), ("b", False)):
+        logger = RunLogger(tmp_path / name, enabled=True, tty=tty)
+        try:
+            assert isinstance(logger.progress_bar([1], 1, "x"), tqdm) == tty
+        finally:
+            logger.close()  # its TensorBoard writer thread must not outlive tmp_path (conftest deletes it)
 
 
 def test_ddp_backend_gloo_auto_and_nccl_refused_on_cpu(monkeypatch):
