@@ -265,3 +265,10 @@ def test_the_two_guides_cite_the_same_keys_and_links_section_by_section():
     # above the first section: the title, the cross-link (tested above) and the web links
     en_top, zh_top = (GUIDES[name].split("\n## ", 1)[0] for name in ("README.md", "README.zh-CN.md"))
     assert set(re.findall(r"\]\((https?:[^)]+)\)", en_top)) == set(re.findall(r"\]\((https?:[^)]+)\)", zh_top))
+
+
+@guides
+def test_a_guide_whose_commands_say_python_says_to_activate_the_venv_in_its_start(name):
+    """Start makes .venv; a bare `python train.py` later would be the system's, without torch."""
+    bare = [c for c in code_spans(GUIDES[name]) if re.match(r"(python|torchrun|tensorboard) ", c)]
+    assert not bare or "source .venv/bin/activate" in sections(GUIDES[name])[0], bare[:3]

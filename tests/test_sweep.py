@@ -255,3 +255,11 @@ def test_two_threads_of_one_sweep_never_claim_the_same_queued_trial(tmp_path, mo
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert sorted(numbers) == [0, 1]
+
+
+@pytest.mark.parametrize("space", sorted(p.name for p in (REPO / "configs" / "sweeps").glob("*.yaml")))
+def test_a_shipped_search_space_reads_and_says_why_each_key(space):
+    path = REPO / "configs" / "sweeps" / space
+    assert load_tool().read_space(path)  # every key and bound through the config schema
+    keyed = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    assert keyed and all(" # " in line for line in keyed), [line for line in keyed if " # " not in line]

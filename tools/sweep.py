@@ -1,6 +1,6 @@
 """Hyperparameter sweep on Optuna: every trial is a real training run in DIR/trial_<n>/.
 
-    python tools/sweep.py space.yaml --trials 20 --dir runs/sweep -- python train.py --config configs/demo.yaml
+    python tools/sweep.py configs/sweeps/demo.yaml --trials 20 --dir runs/sweep -- python train.py --config configs/demo.yaml
     python tools/sweep.py space.yaml --trials 20 --n-jobs 4 --dir runs/sweep -- python train.py --config my.yaml
     export SWEEP_DB='postgresql://user:password@dbhost/optuna'     # the same study from several machines
     python tools/sweep.py space.yaml --trials 100 --n-jobs 4 --gpus-per-job 2 --dir runs/sweep --storage env:SWEEP_DB \\
