@@ -6,15 +6,16 @@ The jobs here are tiny Python programs that print their own argv and environment
 started; the real training runs through these functions in tests/test_kfold.py.
 """
 import json
+import os
 import sys
 import time
 
-from utils.jobs import Job, job_argv, run_job, run_jobs, slot_devices
+from utils.jobs import Job, job_argv, job_threads, run_job, run_jobs, slot_devices
 
-# Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES, "t": its start} as one line; then, when its argv
+# Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES, "omp": OMP_NUM_THREADS, "t": its start} as one line; then, when its argv
 # holds "nap", sleeps 1 s; holding "fail", prints an error line and another and exits 3.
 ECHO = ("import json, os, sys, time; print(json.dumps({'argv': sys.argv[1:], 'cuda': os.environ.get("
-        "'CUDA_VISIBLE_DEVICES'), 't': time.time()})); 'nap' in sys.argv and time.sleep(1); 'fail' in sys.argv and "
+        "'CUDA_VISIBLE_DEVICES'), 'omp': os.environ.get('OMP_NUM_THREADS'), 't': time.time()})); 'nap' in sys.argv and time.sleep(1); 'fail' in sys.argv and "
         "(print('error: bad value'), print('last words'), sys.exit(3))")
 
 
@@ -69,3 +70,17 @@ def test_slots_give_each_parallel_job_its_own_gpu_or_group(tmp_path, monkeypatch
     assert abs(seen[0]["t"] - seen[1]["t"]) < 0.9 and time.time() - start < 3.9  # one after another: >= 4 s
     serial = run_jobs(jobs[:1], parallel=1)
     assert echoed(serial[0])["cuda"] is None  # one at a time: the caller's devices, untouched
+
+
+def test_jobs_side_by_side_split_the_cores_unless_omp_num_threads_is_yours(tmp_path, monkeypatch):
+    """Every process takes all cores by default: two jobs' thread pools would fight over them."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    jobs = [Job([sys.executable, "-c", ECHO], tmp_path / name) for name in "ab"]
+    assert [echoed(r)["omp"] for r in run_jobs(jobs, parallel=2)] == ["4", "4"]
+    assert echoed(run_jobs(jobs[:1], parallel=1)[0])["omp"] is None  # alone: torch's own default
+    assert job_threads(["torchrun", "--nproc_per_node=2", "train_multi_gpu_ddp.py"], 2) == 2
+    assert job_threads(["torchrun", "--nproc-per-node", "4", "x.py", "--nproc_per_node=1"], 4) == 1
+    assert job_threads(["torchrun", "--nproc_per_node=gpu", "x.py"], 2) is None  # torchrun's own rule
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert [echoed(r)["omp"] for r in run_jobs(jobs, parallel=2)] == ["3", "3"]

@@ -263,3 +263,18 @@ def test_a_shipped_search_space_reads_and_says_why_each_key(space):
     assert load_tool().read_space(path)  # every key and bound through the config schema
     keyed = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
     assert keyed and all(" # " in line for line in keyed), [line for line in keyed if " # " not in line]
+
+
+def test_trials_side_by_side_split_the_cores(tmp_path, monkeypatch):
+    """--n-jobs 2 on 8 cores: each trial's processes get 4 threads (utils/jobs.job_threads), not all 8."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    (tmp_path / "space.yaml").write_text("optim.lr: [0.1, 0.2]\n")
+    trial = ("import json, os, sys; d = sys.argv[sys.argv.index('--output-dir') + 1]; "
+             "open(os.path.join(d, 'metrics.jsonl'), 'w').write(json.dumps("
+             "{'epoch': 1, 'val_acc': float(os.environ.get('OMP_NUM_THREADS', 0))}) + '\\n')")
+    code, out, err = run_in_process([str(tmp_path / "space.yaml"), "--trials", "2", "--n-jobs", "2",
+                                     "--dir", str(tmp_path / "sw"), "--pruner", "none", "--",
+                                     sys.executable, "-c", trial])
+    assert code == 0, err
+    assert [(r["state"], r["val_acc"]) for r in rows(tmp_path / "sw")] == [("COMPLETE", "4.0")] * 2, out

@@ -362,7 +362,8 @@ class Sweep:
         def job():
             try:
                 outcome["result"] = run_job(command, run_dir, overrides, slot=slot,
-                                            gpus_per_job=self.args.gpus_per_job, on_start=procs.append)
+                                            gpus_per_job=self.args.gpus_per_job, on_start=procs.append,
+                                            sharing=self.args.n_jobs)
             except BaseException as e:  # raised again in the trial's own thread
                 outcome["error"] = e
 

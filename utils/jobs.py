@@ -10,7 +10,8 @@ the plumbing tools/kfold.py and tools/sweep.py share.
 overrides (key=value) and, when RUN_DIR already holds a run, `--resume auto`: a job started again
 continues from its last.pt. A torchrun command gets a free --master_port, so jobs side by side on
 one machine do not collide; slot k gives the job the k-th GPU (or the k-th group of gpus_per_job)
-through CUDA_VISIBLE_DEVICES. Its output goes to RUN_DIR/job.log (appended to), and line by line to
+through CUDA_VISIBLE_DEVICES, and jobs side by side split the CPU cores (OMP_NUM_THREADS, unless
+yours is set). Its output goes to RUN_DIR/job.log (appended to), and line by line to
 `log` when one is given. A SIGTERM or SIGINT to the caller reaches every running job once (a run
 then saves last.pt and stops), and no new job starts; a caller killed outright takes its jobs with it.
 """
@@ -124,15 +125,40 @@ def _death_signal():
 _die_with_parent = _death_signal()
 
 
-def run_job(command, run_dir, overrides, slot=None, gpus_per_job=None, log=None, *, on_start=None):
+def job_threads(command, sharing):
+    """OMP_NUM_THREADS for one of `sharing` jobs side by side: this machine's cores split over the jobs'
+    processes (a torchrun job has --nproc_per_node of them). Each process would otherwise take every core
+    (torch's default), and their thread pools would fight: two demo folds on 2 cores took 4x as long
+    (BENCHMARKS.md). None (left alone): one job at a time, the user's own OMP_NUM_THREADS, or a torchrun
+    --nproc_per_node that is not a number (torchrun's own rule then applies)."""
+    if sharing <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    procs, at = 1, torchrun_position(command)
+    for i, arg in enumerate(command[at:] if at is not None else []):
+        if arg.startswith(("--nproc_per_node", "--nproc-per-node")):
+            value = arg.split("=", 1)[1] if "=" in arg else (command[at + i + 1] if at + i + 1 < len(command) else "")
+            if not value.isdigit():
+                return None
+            procs = int(value)
+        elif arg.endswith(".py"):
+            break
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // (sharing * procs))
+
+
+def run_job(command, run_dir, overrides, slot=None, gpus_per_job=None, log=None, *, on_start=None, sharing=1):
     """Run one job to its end -> JobResult(rc, error_line, run_dir). on_start(proc), if given, gets the
-    job's Popen once it runs (tools/sweep.py sends a pruned trial's run its SIGTERM)."""
+    job's Popen once it runs (tools/sweep.py sends a pruned trial's run its SIGTERM). sharing: how many
+    jobs run side by side on this machine (their share of the cores: job_threads)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = job_argv(command, run_dir, overrides)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if slot is not None:
         env["CUDA_VISIBLE_DEVICES"] = slot_devices(slot, gpus_per_job)
+    threads = job_threads([str(a) for a in command], sharing)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     last = error = None
     with open(run_dir / "job.log", "a", encoding="utf-8") as out:
         out.write("$ " + " ".join(argv) + "\n")
@@ -220,7 +246,7 @@ def run_jobs(jobs, parallel=1, gpus_per_job=None, log=None):
         prefix = f"[{job.name}] " if job.name else ""
         with slots.take() as k:
             return run_job(job.command, job.run_dir, job.overrides, slot=k if parallel > 1 else None,
-                           gpus_per_job=gpus_per_job,
+                           gpus_per_job=gpus_per_job, sharing=parallel,
                            log=None if log is None else (lambda line: log(prefix + line)))
 
     with forwarding_signals(), ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
