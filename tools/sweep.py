@@ -16,7 +16,7 @@ space.yaml names config keys (utils/config.py checks each before trial 1):
 The command after `--` runs as typed, plus `--output-dir DIR/trial_<n>`, the trial's key=value
 overrides and `--resume auto` when the trial's folder holds a checkpoint (utils/jobs.py run_job).
 `--n-jobs J` runs J trials at once, trial slot k on GPU k (CUDA_VISIBLE_DEVICES; --gpus-per-job G:
-the k-th group of G) with its own torchrun port.
+the k-th group of G) with its own torchrun port and its share of the CPU cores (OMP_NUM_THREADS).
 
 Objective: the best value over the epochs of `--metric` (default val_acc) in the trial's
 metrics.jsonl, `--direction max|min`. Each epoch's value goes to trial.report; the median pruner
