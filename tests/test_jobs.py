@@ -12,10 +12,11 @@ import time
 
 from utils.jobs import Job, job_argv, job_threads, run_job, run_jobs, slot_devices
 
-# Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES, "omp": OMP_NUM_THREADS, "t": its start} as one line; then, when its argv
-# holds "nap", sleeps 1 s; holding "fail", prints an error line and another and exits 3.
+# Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES, "omp": OMP_NUM_THREADS, "t": its start} as one
+# line; then, when its argv holds "nap", sleeps 1 s; holding "fail", prints an error line and another and exits 3.
 ECHO = ("import json, os, sys, time; print(json.dumps({'argv': sys.argv[1:], 'cuda': os.environ.get("
-        "'CUDA_VISIBLE_DEVICES'), 'omp': os.environ.get('OMP_NUM_THREADS'), 't': time.time()})); 'nap' in sys.argv and time.sleep(1); 'fail' in sys.argv and "
+        "'CUDA_VISIBLE_DEVICES'), 'omp': os.environ.get('OMP_NUM_THREADS'), 't': time.time()})); "
+        "'nap' in sys.argv and time.sleep(1); 'fail' in sys.argv and "
         "(print('error: bad value'), print('last words'), sys.exit(3))")
 
 

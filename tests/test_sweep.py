@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -228,8 +229,6 @@ def test_two_threads_of_one_sweep_never_claim_the_same_queued_trial(tmp_path, mo
     """A retried trial waits in the queue; --n-jobs threads pop it. SQLite has no SELECT ... FOR UPDATE,
     so Optuna's read-then-write claim let two threads take one trial: the same run twice in one folder,
     then "Cannot tell a COMPLETE trial" (optuna #4002). The read is slowed here to open that window."""
-    import threading
-
     from optuna.storages._rdb import models
     tool = load_tool()
     args = tool.parse_args([str(tmp_path / "space.yaml"), "--trials", "2", "--dir", str(tmp_path / "sw"), "--",

@@ -11,8 +11,9 @@ The command after `--` is given exactly as one types it. Fold i runs it with --o
 DIR/fold_<i> and data.folds=K data.fold=i (utils/folds.py: fold i is the validation set, the others
 train); its output goes to DIR/fold_<i>/job.log. One fold after another, or --parallel N at a time,
 each on its own GPU (CUDA_VISIBLE_DEVICES; --gpus-per-job G for a group each), its share of the CPU
-cores (OMP_NUM_THREADS) and, with torchrun, its own port. Then DIR/kfold.json and DIR/kfold.md hold each fold's final metrics (the last epoch of its
-metrics.jsonl) and their mean and sample standard deviation over the finished folds:
+cores (OMP_NUM_THREADS) and, with torchrun, its own port. Then DIR/kfold.json and DIR/kfold.md hold
+each fold's final metrics (the last epoch of its metrics.jsonl) and their mean and sample standard
+deviation over the finished folds:
 
     {"folds": K, "command": [...], "per_fold": [{"fold": 0, "status": "done", "error": null, "val_acc": ...}],
      "mean": {"val_acc": ...}, "std": {"val_acc": ...}}

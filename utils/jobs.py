@@ -17,6 +17,7 @@ then saves last.pt and stops), and no new job starts; a caller killed outright t
 """
 import contextlib
 import ctypes
+import io
 import os
 import queue
 import signal
@@ -133,15 +134,15 @@ def job_threads(command, sharing):
     --nproc_per_node that is not a number (torchrun's own rule then applies)."""
     if sharing <= 1 or "OMP_NUM_THREADS" in os.environ:
         return None
-    procs, at = 1, torchrun_position(command)
-    for i, arg in enumerate(command[at:] if at is not None else []):
-        if arg.startswith(("--nproc_per_node", "--nproc-per-node")):
-            value = arg.split("=", 1)[1] if "=" in arg else (command[at + i + 1] if at + i + 1 < len(command) else "")
-            if not value.isdigit():
-                return None
-            procs = int(value)
-        elif arg.endswith(".py"):
-            break
+    procs, at = "1", torchrun_position(command)
+    if at is not None:
+        from torch.distributed.run import get_args_parser  # torchrun's own reading of its arguments
+        # A command torchrun refuses: torchrun itself will say so, once.
+        with contextlib.suppress(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            procs = get_args_parser().parse_args(command[at:]).nproc_per_node
+    if not str(procs).isdigit():
+        return None
+    procs = int(procs)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // (sharing * procs))
 
