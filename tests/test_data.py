@@ -99,6 +99,50 @@ def test_split_is_identical_in_another_process(uneven_root):
     assert [tuple(x) for x in there["val"]] == here.val
 
 
+# Today's splits of a small fixture, written down: existing runs and their resumes rely on the same seed giving
+# the same images, in the same order (the order is the sampler's input), so a change to the split is seen here.
+PINNED = {
+    "folders": (dict(val_rate=0.3, split_seed=7),
+                "a_003:0 a_002:0 a_004:0 b_002:1 b_000:1 c_005:2 c_004:2 c_002:2 c_001:2 c_003:2",
+                "a_000:0 a_001:0 b_001:1 c_006:2 c_000:2"),
+    "folder folds": (dict(split_seed=5, folds=3, fold=1),
+                     "a_001:0 a_000:0 a_002:0 b_002:1 b_001:1 c_001:2 c_006:2 c_005:2 c_004:2 c_000:2",
+                     "a_003:0 a_004:0 b_000:1 c_003:2 c_002:2"),
+    "folders multi": (dict(val_rate=0.5, split_seed=0, task="multi"),
+                      "a_001:0 a_003:0 a_002:0 b_000:1 c_003:2 c_005:2 c_001:2",
+                      "a_004:0 a_000:0 b_001:1 b_002:1 c_006:2 c_002:2 c_004:2 c_000:2"),
+    "label file": (dict(val_rate=0.3, split_seed=3, labels=True),
+                   "a_003:0+1 a_004:0 a_002:0 b_000:1 b_002:1 c_003:1+2 c_001:2 c_005:1+2 c_000:2 c_004:1+2",
+                   "a_001:0 a_000:0 b_001:1 c_002:2 c_006:1+2"),
+    "label file folds": (dict(split_seed=2, folds=3, fold=2, labels=True),
+                         "c_006:1+2 c_002:2 a_000:0 b_001:1 b_000:1 a_003:0+1 c_000:2 c_003:1+2 a_004:0 a_001:0 "
+                         "c_004:1+2 a_002:0",
+                         "c_005:1+2 b_002:1 c_001:2"),
+}
+
+
+@pytest.mark.parametrize("case", list(PINNED))
+def test_split_is_todays_for_the_same_seed(tmp_path, case):
+    """Class folders of 5, 3 and 7 images, and a label file listing them out of path order, every third row
+    also labelled b, in groups g0..g4: each case's train and val, in order, are the ones recorded."""
+    root = tmp_path / "pinned"
+    for name, n in (("a", 5), ("b", 3), ("c", 7)):
+        make_image_folder(root, per_class=n, classes=(name,), size=(8, 8))
+    files = sorted(os.path.relpath(p, root) for p in map(str, root.rglob("*.jpg")))
+    random.Random(1).shuffle(files)
+    rows = [f"{f},{f[0]}{';b' if i % 3 == 0 else ''},g{i % 5}" for i, f in enumerate(files)]
+    (tmp_path / "pinned.csv").write_text("path,label,group\n" + "\n".join(rows) + "\n")
+    kw, train, val = PINNED[case]
+    if kw.get("labels"):
+        kw = {**kw, "labels": tmp_path / "pinned.csv"}
+    split = split_dataset(root, **kw)
+
+    def names(samples):
+        return " ".join(f"{os.path.basename(p)[:-4]}:{'+'.join(map(str, y)) if isinstance(y, tuple) else y}"
+                        for p, y in samples)
+    assert (names(split.train), names(split.val)) == (train, val)
+
+
 def test_presplit_root_is_used_as_is(tmp_path):
     root = tmp_path / "presplit"
     make_image_folder(root / "train", per_class=4, classes=("cat", "dog"), size=(8, 8))
