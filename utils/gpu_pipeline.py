@@ -3,8 +3,8 @@
 PIL decoding and a crop per image in DataLoader workers cannot keep a large GPU fed. Here every image is
 decoded once into a uint8 cache (or, for a set the cache cannot hold, batch by batch on the device), and
 each step's crop, flip and normalisation are a few batched kernels whose random draws come from the CPU,
-so runs stay reproducible. What it keeps equal to the PIL path, and its memory rules: BENCHMARKS.md,
-section "GPU input pipeline".
+so runs stay reproducible. What it keeps equal to the PIL path, and its memory rules:
+docs/gpu-pipeline.md.
 """
 import copy
 import io
