@@ -28,6 +28,7 @@ import torchvision
 from torch import nn
 from torchvision.ops import misc as tv_misc
 
+from utils.cam import find_target
 from utils.checkpoint import best_weights, label_task, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
 from utils.errors import UserError
@@ -161,6 +162,15 @@ def check_model_config(cfg):
             raise
         except Exception:  # noqa: BLE001 - a model that cannot be built on meta is checked when it is built
             pass
+
+
+@register_check
+def check_cam_layer(cfg):
+    """model.cam_layer names a module of the model: checked on its structure alone (the meta device)."""
+    if cfg.model.cam_layer:
+        with torch.device("meta"):
+            find_target(create_model(cfg.model.name, num_classes=2, img_size=cfg.data.img_size,
+                                     channels=cfg.data.channels), cfg.model.cam_layer)
 
 
 def check_model(name, pretrained=None, size=None):

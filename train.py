@@ -6,7 +6,7 @@
 
 For several GPUs see train_multi_gpu_ddp.py (recommended) and train_multi_gpu_dp.py.
 Only the device, the model wrapping and the sampler are set here; the loop,
-checkpoints, logging and config live in data.py, model.py, engine.py and utils/.
+checkpoints, logging and config live in data.py, model.py, engine.py, run.py and utils/.
 """
 import sys
 
@@ -18,7 +18,7 @@ from utils.cli import cli_entry, refuse_launcher
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
 from utils.samplers import ShardSampler, epoch_sampler
-from engine import fit
+from run import fit
 
 
 @cli_entry

@@ -25,7 +25,7 @@ from utils.cli import cli_entry
 from utils.config import load_config
 from utils.distributed_utils import convert_sync_bn, ddp_kwargs, init_distributed_mode
 from utils.samplers import ShardSampler, epoch_sampler
-from engine import fit
+from run import fit
 
 
 @cli_entry

@@ -21,7 +21,7 @@ from utils.cli import cli_entry, refuse_launcher
 from utils.config import load_config
 from utils.distributed_utils import DistInfo, resolve_device, use_device
 from utils.samplers import ShardSampler, epoch_sampler
-from engine import fit
+from run import fit
 from utils.errors import UserError
 from utils.optim import resolve_amp
 

@@ -25,7 +25,7 @@ from utils.distributed_utils import convert_sync_bn, init_distributed_mode
 from utils.fsdp import check_config, make_mesh, shard_model
 from utils.samplers import ShardSampler, epoch_sampler
 from utils.optim import resolve_amp
-from engine import fit
+from run import fit
 
 
 @cli_entry

@@ -34,7 +34,8 @@ from utils.config import load_config  # noqa: E402
 from utils.distributed_utils import DistInfo, cleanup, convert_sync_bn, init_distributed_mode  # noqa: E402
 from utils.samplers import ShardSampler, epoch_sampler  # noqa: E402
 import engine  # noqa: E402
-from engine import evaluate, fit  # noqa: E402
+from engine import evaluate  # noqa: E402
+from run import fit  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 PER_RANK_BATCH = 2      # DDP batch per process in the gradient test; the single run uses world x this
@@ -146,16 +147,14 @@ def fit_accumulated(dist_info, out):
     """fit_tiny with train.accum_steps=2 straight through, and again stopped by a SIGTERM on rank 0
     in the middle of epoch 2 (between the micro-batches of a step) and resumed from its last.pt."""
     straight = fit_tiny(dist_info, out / "accum", PER_RANK_BATCH, TRAIN_LR, accum=2, log_every=1)
-    calls, real = [0], engine._to_device
+    calls = [0]
 
-    def signal_in_epoch_2(*args, **kwargs):
-        if torch.is_grad_enabled():  # a training batch, not evaluation
-            calls[0] += 1
-            if dist_info.rank == 0 and calls[0] == straight["steps_per_epoch"] * 2 + 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args, **kwargs)
+    def signal_in_epoch_2(images, labels):  # a training batch
+        calls[0] += 1
+        if dist_info.rank == 0 and calls[0] == straight["steps_per_epoch"] * 2 + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
 
-    engine._to_device = signal_in_epoch_2
+    hook = engine.register_batch_hook(signal_in_epoch_2)
     try:
         fit_tiny(dist_info, out / "accum_resumed", PER_RANK_BATCH, TRAIN_LR, accum=2, log_every=1)
         stopped_at = None
@@ -163,7 +162,7 @@ def fit_accumulated(dist_info, out):
         ckpt = torch.load(out / "accum_resumed" / "checkpoints" / "last.pt", weights_only=True)
         stopped_at = [ckpt["epoch"], ckpt["epoch_step"], ckpt["global_step"]]
     finally:
-        engine._to_device = real
+        hook.remove()
     fit_tiny(dist_info, out / "accum_resumed", PER_RANK_BATCH, TRAIN_LR, accum=2, log_every=1, resume="auto")
     return {**straight, "stopped_at": stopped_at}
 
@@ -231,14 +230,14 @@ def buffer_sync(dist_info):
 
 def split_and_shards(dist_info, image_root):
     """This rank's view of the split and of its training shards in epochs 0, 1 and 0 again."""
-    split = split_dataset(image_root, 0.2, 0)
+    split = split_dataset(load_config([f"data.path={image_root}"]).data)
     world, rank = dist_info.world_size, dist_info.rank
     shards = []
     for epoch in (0, 1, 0):
         sampler = epoch_sampler(split.train, 0, world, rank)  # a fresh sampler: reproducible from the seed
         sampler.set_epoch(epoch)
         shards.append(list(sampler))
-    return {"classes": split.classes, "train": split.train, "val": split.val, "n_train": len(split.train),
+    return {"classes": split.classes, "train": list(split.train), "val": list(split.val), "n_train": len(split.train),
             "shards": shards}
 
 

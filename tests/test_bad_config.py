@@ -158,7 +158,7 @@ def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_finished_epoch(earlie
 def test_out_of_memory_names_the_rank_and_leaves_out_what_is_already_on():
     """Under DDP the line names the rank and the per-process batch; advice already taken is not given."""
     from types import SimpleNamespace
-    from utils.cli import out_of_memory
+    from utils.errors import out_of_memory
     from utils.distributed_utils import DistInfo
     cfg = SimpleNamespace(train=SimpleNamespace(batch_size=5, accum_steps=2, global_batch=0, compile=False),
                           model=SimpleNamespace(activation_checkpointing=True))

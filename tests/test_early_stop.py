@@ -19,7 +19,7 @@ import pytest
 
 from conftest import make_image_folder, run_entry
 from _resume_utils import assert_same_weights, load, metrics, one_thread, run_args  # noqa: F401
-import engine
+import run
 import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,7 +89,7 @@ def early(data, straight, tmp_path_factory, one_thread):
     stop, _ = expected_stop(curve, PATIENCE, EPOCHS)
     assert stop is not None, f"the recipe's val_macro_f1 {curve} never stalls for {PATIENCE} epochs"
     out = tmp_path_factory.mktemp("early_run") / "run"
-    real_evaluate, evals = engine.evaluate, []
+    real_evaluate, evals = run.evaluate, []
 
     def evaluate_then_signal(*a, **k):
         evals.append(1)
@@ -98,7 +98,7 @@ def early(data, straight, tmp_path_factory, one_thread):
         return real_evaluate(*a, **k)
 
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as log:
-        mp.setattr(engine, "evaluate", evaluate_then_signal)
+        mp.setattr(run, "evaluate", evaluate_then_signal)
         assert call_main(early_args(data, out), mp)[0] == 128 + signal.SIGTERM
         assert load(out / "checkpoints" / "last.pt")["bad_epochs"] > 0  # else the resume could not tell
         mp.undo()
@@ -200,7 +200,7 @@ if __name__ == "__main__":
     # The DDP test's worker: python -m torch.distributed.run ... tests/test_early_stop.py SCRIPT ARGS...
     # Each rank's val_loss is replaced by its own curve, then SCRIPT runs unchanged.
     import runpy
-    rank, real_validate, evals = int(os.environ["RANK"]), engine._validate, []
+    rank, real_validate, evals = int(os.environ["RANK"]), run._validate, []
 
     def validate_with_own_view(run):
         val, worst, pr = real_validate(run)
@@ -210,7 +210,7 @@ if __name__ == "__main__":
             f.write(" ".join(evals))
         return val, worst, pr
 
-    engine._validate = validate_with_own_view
+    run._validate = validate_with_own_view
     script, *args = sys.argv[1:]
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

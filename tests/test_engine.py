@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from data import make_loader
 import engine
+import run
 from utils.config import load_config
 from utils.distributed_utils import DistInfo
 from utils.errors import RUNTIME_EXIT, UserError
@@ -147,15 +148,15 @@ def test_fit_logs_each_epoch_and_keeps_the_best(tmp_path, monkeypatch):
     cfg = load_config(["--device", "cpu", "--output-dir", str(out), "train.epochs=3", "train.batch_size=4",
                        "train.log_every=2", "data.num_workers=0", "optim.lr=0.05"])
     scripted = iter([0.5, 0.8, 0.6])
-    real_evaluate = engine.evaluate
+    real_evaluate = run.evaluate
 
     def evaluate(*a, **k):
         return {**real_evaluate(*a, **k), "val_acc": next(scripted)}
 
-    monkeypatch.setattr(engine, "evaluate", evaluate)
+    monkeypatch.setattr(run, "evaluate", evaluate)
     train_loader, val_loader = loaders(cfg)
-    result = engine.fit(cfg, tiny_model(), train_loader, val_loader, ["a", "b", "c"], DistInfo(device=CPU),
-                        script_name="test")
+    result = run.fit(cfg, tiny_model(), train_loader, val_loader, ["a", "b", "c"], DistInfo(device=CPU),
+                     script_name="test")
 
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in lines] == [1, 2, 3]

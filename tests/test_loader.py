@@ -16,11 +16,11 @@ import torch
 from torchvision import transforms as T
 
 import data
-import engine
 import train
 from _resume_utils import one_thread, run_args, run_main  # noqa: F401
 from conftest import make_image_folder
 from utils.config import load_config
+from utils.data_wait import DATA_WAIT_HINT
 from utils.errors import UserError
 from utils.gpu_pipeline import GpuLoader
 from utils.loader import PersistentLoader
@@ -35,7 +35,7 @@ def root(tmp_path_factory):
 
 def epochs_of_batches(root, persistent, seeds, cut_short=()):
     """Train batches of one epoch per seed, the loader reseeded with it before each epoch as
-    engine._train_epoch does; the epochs in `cut_short` are left after their first batch (the rest
+    run._train_epoch does; the epochs in `cut_short` are left after their first batch (the rest
     prefetched, never taken)."""
     cfg = load_config([f"data.path={root}", "data.num_workers=2", "data.img_size=16", "data.val_resize=18",
                        f"data.persistent_workers={str(persistent).lower()}"])
@@ -119,10 +119,10 @@ def test_an_input_bound_run_logs_its_data_wait_and_is_told_once(tmp_path, monkey
     hints = [line for line in capsys.readouterr().out.splitlines() if "input-bound" in line]
     assert len(hints) == 1 and "data.num_workers (now 0)" in hints[0] and "docs/troubleshooting.md" in hints[0]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(engine.DATA_WAIT_HINT < r["train_data_wait"] <= 1 for r in rows), rows
+    assert all(DATA_WAIT_HINT < r["train_data_wait"] <= 1 for r in rows), rows
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(out)).Reload()
     windows = events.Scalars("train/data_wait_step")
     assert [p.step for p in windows] == [1, 2, 3, 4, 5, 6]
-    assert all(engine.DATA_WAIT_HINT < p.value <= 1 for p in windows)
+    assert all(DATA_WAIT_HINT < p.value <= 1 for p in windows)
     assert [p.value for p in events.Scalars("train/data_wait")] == pytest.approx([r["train_data_wait"] for r in rows])

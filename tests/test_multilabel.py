@@ -312,11 +312,12 @@ def test_export_says_sigmoid_and_its_outputs_match_the_eager_model(trained, tmp_
         assert (torch.jit.load(str(out))(x) - model(x)).abs().max().item() <= 1e-4
 
 
-def test_a_run_stopped_mid_epoch_resumes_bit_for_bit(trained, meadows, tmp_path, monkeypatch, capsys):
+def test_a_run_stopped_mid_epoch_resumes_bit_for_bit(trained, meadows, tmp_path, monkeypatch, capsys,
+                                                     request):
     """SIGINT at epoch 2's 4th step (of 6; its checkpoint holds epoch 1's thresholds); the printed command resumes; weights, optimizer, thresholds
     and metrics.jsonl (timings aside) end as the uninterrupted run's."""
     out = tmp_path / "run"
-    signal_on_training_batch(monkeypatch, 6 + 4, signal.SIGINT)
+    signal_on_training_batch(request, 6 + 4, signal.SIGINT)
     code = run_main(train, run_of(meadows, out), monkeypatch)
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGINT, err

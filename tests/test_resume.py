@@ -19,6 +19,7 @@ import train
 from _resume_utils import assert_same_run, load, metrics, one_thread, run_args, run_main  # noqa: F401
 from conftest import make_image_folder
 import engine
+import run
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,19 +42,18 @@ def straight(data, tmp_path_factory, one_thread):
     return out
 
 
-def signal_on_training_batch(monkeypatch, n, sig):
-    """A real `sig` to this process as the loop takes its n-th training batch (evaluation runs
-    under no_grad and is not counted); returns the list that counts the batches taken."""
-    real_to_device, taken = engine._to_device, []
+def signal_on_training_batch(request, n, sig):
+    """A real `sig` to this process as the loop takes its n-th training batch (engine.register_batch_hook:
+    evaluation's batches are not counted), once; returns the list that counts the batches taken. The
+    hook goes with the test."""
+    taken = []
 
-    def to_device_then_signal(*a, **k):
-        if engine.torch.is_grad_enabled():
-            taken.append(1)
-            if len(taken) == n:
-                os.kill(os.getpid(), sig)
-        return real_to_device(*a, **k)
+    def signal_at_n(images, labels):
+        taken.append(1)
+        if len(taken) == n:
+            os.kill(os.getpid(), sig)
 
-    monkeypatch.setattr(engine, "_to_device", to_device_then_signal)
+    request.addfinalizer(engine.register_batch_hook(signal_at_n).remove)
     return taken
 
 
@@ -69,7 +69,7 @@ def _resume_from_message(err, script="train.py"):
 @pytest.mark.slow
 def test_sigterm_after_epoch_2_then_resume_equals_straight_run(data, straight, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    real_evaluate, evals = engine.evaluate, []
+    real_evaluate, evals = run.evaluate, []
 
     def evaluate_then_signal(*a, **k):
         evals.append(1)
@@ -77,7 +77,7 @@ def test_sigterm_after_epoch_2_then_resume_equals_straight_run(data, straight, t
             os.kill(os.getpid(), signal.SIGTERM)
         return real_evaluate(*a, **k)
 
-    monkeypatch.setattr(engine, "evaluate", evaluate_then_signal)
+    monkeypatch.setattr(run, "evaluate", evaluate_then_signal)
     code = run_main(train, run_args(data, out), monkeypatch)
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM, err
@@ -87,7 +87,7 @@ def test_sigterm_after_epoch_2_then_resume_equals_straight_run(data, straight, t
     assert len(metrics(out)) == 2
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # fit put the handlers back
 
-    monkeypatch.setattr(engine, "evaluate", real_evaluate)
+    monkeypatch.setattr(run, "evaluate", real_evaluate)
     args = _resume_from_message(err)
     assert run_main(train, args, monkeypatch) == 0
     assert "resumed from" in capsys.readouterr().out
@@ -96,9 +96,9 @@ def test_sigterm_after_epoch_2_then_resume_equals_straight_run(data, straight, t
 
 @pytest.mark.slow
 def test_sigint_mid_epoch_stops_at_next_step_and_resume_equals_straight_run(data, straight, tmp_path,
-                                                                         monkeypatch, capsys):
+                                                                         monkeypatch, capsys, request):
     out = tmp_path / "run"
-    steps = signal_on_training_batch(monkeypatch, 6 + 3, signal.SIGINT)  # Ctrl-C during the 3rd step of epoch 2
+    steps = signal_on_training_batch(request, 6 + 3, signal.SIGINT)  # Ctrl-C during the 3rd step of epoch 2
     code = run_main(train, run_args(data, out), monkeypatch)
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGINT, err
@@ -134,13 +134,13 @@ RECIPE = ["train.ema_decay=0.9", "data.sampler=balanced", "train.accum_steps=2",
 
 
 @pytest.mark.slow
-def test_recipe_options_resume_mid_step_bit_for_bit(data, tmp_path, monkeypatch, capsys):
+def test_recipe_options_resume_mid_step_bit_for_bit(data, tmp_path, monkeypatch, capsys, request):
     """A SIGINT between the two batches of a step in epoch 2: the run stops at that step's end and
     the resumed run ends with the same weights, EMA weights, optimizer and metrics as a straight one."""
     straight, out = tmp_path / "straight", tmp_path / "run"
     assert run_main(train, run_args(data, straight, *RECIPE, epochs=2), monkeypatch) == 0
     # The first batch of epoch 2's second step (3 steps of 2 batches).
-    signal_on_training_batch(monkeypatch, 6 + 3, signal.SIGINT)
+    signal_on_training_batch(request, 6 + 3, signal.SIGINT)
     code = run_main(train, run_args(data, out, *RECIPE, epochs=2), monkeypatch)
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGINT, err
@@ -157,13 +157,13 @@ def test_recipe_options_resume_mid_step_bit_for_bit(data, tmp_path, monkeypatch,
 
 
 @pytest.mark.slow
-def test_persistent_workers_resume_mid_epoch_bit_for_bit(data, tmp_path, monkeypatch, capsys):
+def test_persistent_workers_resume_mid_epoch_bit_for_bit(data, tmp_path, monkeypatch, capsys, request):
     """data.num_workers=2, workers that live across epochs: 2 epochs straight (epoch 2 on epoch 1's
     workers) == stopped by SIGINT in epoch 2 and resumed (epoch 2 on fresh workers, 3 steps skipped).
     Later epochs on the same workers: tests/test_loader.py."""
     straight, out = tmp_path / "straight", tmp_path / "run"
     assert run_main(train, run_args(data, straight, "data.num_workers=2", epochs=2), monkeypatch) == 0
-    signal_on_training_batch(monkeypatch, 6 + 3, signal.SIGINT)
+    signal_on_training_batch(request, 6 + 3, signal.SIGINT)
     code = run_main(train, run_args(data, out, "data.num_workers=2", epochs=2), monkeypatch)
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGINT, err

@@ -149,7 +149,7 @@ def test_resume_skips_batches_and_continues_exactly(world, rank):
 
 
 @pytest.mark.parametrize("recipe", ["imbalanced.yaml", "class_weights"])
-def test_skewed_classes_through_train_py(recipe, tmp_path, monkeypatch, capsys):
+def test_skewed_classes_through_train_py(recipe, tmp_path, monkeypatch, capsys, request):
     """train.py on daisy 20 images, four classes of 5 (32 train images): configs/imbalanced.yaml
     trains on every class within 1 of 32/5 images per epoch (daisy would be 16 of 32 shuffled);
     optim.class_weights=auto prints the inverse-frequency weights N / (C * n_c) it trains with."""
@@ -161,14 +161,8 @@ def test_skewed_classes_through_train_py(recipe, tmp_path, monkeypatch, capsys):
     for folder in sorted(root.iterdir())[1:]:  # daisy keeps 20
         for image in sorted(folder.iterdir())[5:]:
             image.unlink()
-    seen, real = Counter(), engine._to_device
-
-    def recording(images, labels, *a, **k):
-        if torch.is_grad_enabled():  # training batches only
-            seen.update(labels.tolist())
-        return real(images, labels, *a, **k)
-
-    monkeypatch.setattr(engine, "_to_device", recording)
+    seen = Counter()
+    request.addfinalizer(engine.register_batch_hook(lambda images, labels: seen.update(labels.tolist())).remove)
     extra = ["--config", str(REPO / "configs" / recipe)] if recipe.endswith(".yaml") else ["optim.class_weights=auto"]
     args = [*extra, "--data-path", str(root), "--output-dir", str(tmp_path / "run"), *FAST_ARGS]
     assert run_main(train, args, monkeypatch) == 0

@@ -1,6 +1,6 @@
-"""The entry scripts' wrapper: a UserError becomes one `error:` line and its exit code, no traceback.
-Also the runtime errors a user can act on (a collective's timeout, out of memory) as UserErrors, and
-the refusal of a one-process script under a launcher.
+"""The entry scripts' wrapper: a UserError becomes one `error:` line and its exit code, no traceback
+(a collective's timeout too, through utils/errors.py), and the refusal of a one-process script under
+a launcher.
 
 Set TRAIN_DEBUG=1 in the environment to get the full Python traceback as well.
 """
@@ -8,14 +8,12 @@ import argparse
 import datetime
 import functools
 import os
-import re
 import sys
 import traceback
 
-import torch
 
 from utils.distributed_utils import restart_store, cleanup
-from utils.errors import RUNTIME_EXIT, UserError, one_line
+from utils.errors import UserError, collective_timeout, one_line
 
 # How long a rank other than 0 waits for rank 0 to print an error they share; past it, it prints the
 # line itself (rank 0 hung or lost), late rather than never.
@@ -68,59 +66,6 @@ def refuse_launcher(script):
                         f"{world}): each would train alone and all would write one run directory; launch "
                         "train_multi_gpu_ddp.py instead (or train_multi_gpu_fsdp.py to shard the model)",
                         every_rank=True)
-
-
-# gloo's "Timed out waiting 1800000ms for recv operation to complete", NCCL's watchdog message.
-_TIMEOUT = re.compile(r"Timed out waiting (\d+) ?ms for \w+ operation|Watchdog caught collective operation timeout")
-
-
-def collective_timeout(e):
-    """A collective that waited past the process group's timeout (ddp.timeout_minutes) as a UserError
-    naming the timeout, the rank waited for where torch says, and the likely causes; else None."""
-    text = str(e)
-    found = _TIMEOUT.search(text)
-    if not found:
-        return None
-    waited = f" {int(found.group(1)) / 60000:g} min" if found.group(1) else ""
-    peer = re.search(r"\brank[ :=]+(\d+)", text)
-    return UserError(f"a collective waited{waited} (ddp.timeout_minutes) for "
-                     f"{'rank ' + peer.group(1) if peer else 'a rank'} that did not answer: a rank stopped or "
-                     "hung (a stuck filesystem, a lost node), broken GPU peer-to-peer (NCCL_P2P_DISABLE=1), "
-                     "too little shared memory for the loaders, or a collective that only some ranks run; check "
-                     "with tools/ddp_check.py, see docs/troubleshooting.md", exit_code=RUNTIME_EXIT)
-
-
-# torch >= 2.5 raises torch.OutOfMemoryError for every device; 2.4 has torch.cuda.OutOfMemoryError
-# (which later torch keeps as the same class).
-OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError)
-
-
-def out_of_memory(e, cfg, dist_info, script_name):
-    """Out of device memory in the loop as one line naming the batch size, the process and what to
-    try, each only where it applies; torch's "Tried to allocate ... of which ... is free" kept."""
-    batch, accum, world = cfg.train.batch_size, cfg.train.accum_steps, dist_info.world_size
-    text = str(e)
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
-    free = re.search(r"of which ([\d.]+ [KMGT]?i?B) is free", text)
-    detail = "".join([f"; tried to allocate {asked.group(1)}" if asked else "",
-                      f" with {free.group(1)} free" if asked and free else ""])
-    where = f"rank {dist_info.rank} of {world}" if world > 1 else "the only process"
-    tries = []
-    fixed = cfg.train.global_batch  # when set, it derives the accumulation itself
-    if batch > 1 and fixed:
-        smaller = f"--batch-size {batch // 2}" if fixed % (batch // 2 * world) == 0 else "a smaller --batch-size"
-        tries.append(f"{smaller} (train.global_batch={fixed} stays: the accumulation grows)")
-    elif batch > 1:
-        smaller = (f"--batch-size {batch // 2} with train.accum_steps={2 * accum}" if batch % 2 == 0 else
-                   "a smaller --batch-size with a larger train.accum_steps")
-        tries.append(f"{smaller} (the global batch stays {batch * accum * world})")
-    if not cfg.model.activation_checkpointing:
-        tries.append("model.activation_checkpointing=true" + (" (with train.compile=false)" if cfg.train.compile else ""))
-    if script_name != "fsdp":
-        tries.append("train_multi_gpu_fsdp.py, which shards the model over the GPUs")
-    advice = f": try {', or '.join(tries)}" if tries else ""
-    return UserError(f"out of memory on {dist_info.device} ({where}) at --batch-size {batch}"
-                     f"{' per process' if world > 1 else ''}{detail}{advice}", exit_code=RUNTIME_EXIT)
 
 
 def print_error(e):

@@ -9,7 +9,6 @@ import datetime
 import gc
 import inspect
 import os
-import re
 import sys
 from dataclasses import dataclass
 
@@ -94,17 +93,6 @@ def use_device(device, deterministic=False):
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-
-def nondeterministic_op(e):
-    """torch's "X does not have a deterministic implementation, but you set
-    'torch.use_deterministic_algorithms(True)'" as one error line naming X; None for any other error."""
-    found = re.match(r"(\S+) does not have a deterministic implementation", str(e))
-    if found is None:
-        return None
-    return UserError(f"train.deterministic=true, and {found.group(1)} has no deterministic kernel on this device; "
-                     "run with train.deterministic=false, or replace the op in the model",
-                     exit_code=RUNTIME_EXIT, every_rank=True)
 
 
 def store_libuv(environ, probe):

@@ -7,6 +7,8 @@ import math
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+from utils.errors import UserError
+
 
 def scaled_lr(optim_cfg, world_size, global_batch=0):
     """The run's peak lr, the one rule for it (build_optimizer says why).
@@ -18,6 +20,27 @@ def scaled_lr(optim_cfg, world_size, global_batch=0):
     if global_batch:
         return optim_cfg.lr
     return optim_cfg.lr * (world_size if optim_cfg.scale_lr else 1)
+
+
+def accumulation(train_cfg, world_size):
+    """Batches per optimizer step: train.accum_steps, or with train.global_batch=N, N / (batch_size x
+    processes) (DataParallel is one process whose batch is already the global one). One line when N does
+    not divide, naming what would."""
+    n, batch = train_cfg.global_batch, train_cfg.batch_size
+    if not n:
+        return train_cfg.accum_steps
+    per_step = batch * world_size  # images of one micro-batch over all processes
+    if n % per_step == 0:
+        return n // per_step
+    near = " or ".join(str(g) for g in (n // per_step * per_step, (n // per_step + 1) * per_step) if g)
+    if n % world_size:
+        fix = f"a global batch divisible by the {world_size} processes, e.g. {near}"
+    else:
+        mine = n // world_size  # images per process per step
+        sizes = sorted(sorted((d for d in range(1, mine + 1) if mine % d == 0), key=lambda d: abs(d - batch))[:3])
+        fix = f"--batch-size {', '.join(map(str, sizes))} (dividing its {mine} per process), or a global batch of {near}"
+    raise UserError(f"train.global_batch={n} does not divide into --batch-size {batch} x {world_size} process(es) "
+                    f"= {per_step} images per micro-batch; use {fix}", every_rank=True)
 
 
 def build_optimizer(model, optim_cfg, world_size=1, fused=False, global_batch=0):

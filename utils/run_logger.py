@@ -60,6 +60,14 @@ def check_writable(run_dir):
                         "choose another --output-dir") from None
 
 
+def write_json(path, obj):
+    """A run's JSON file (class_indices.json, eval.json), whole or not at all: written beside and renamed.
+    Class names as written (e.g. 玫瑰), not \\uXXXX escapes; UTF-8 whatever the locale."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
 class RunLogger:
     def __init__(self, run_dir, enabled, start_epoch=0, start_step=0, resuming=False, tty=None):
         self.run_dir = Path(run_dir)
@@ -97,9 +105,7 @@ class RunLogger:
 
     def write_json(self, name, obj):
         if self.enabled:
-            # Class names as written (e.g. 玫瑰), not \uXXXX escapes; UTF-8 whatever the locale.
-            (self.run_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n",
-                                             encoding="utf-8")
+            write_json(self.run_dir / name, obj)
 
     def write_config(self, cfg):
         if self.enabled:

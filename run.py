@@ -1,0 +1,447 @@
+"""The run around the loop: `fit` for train.py and the train_multi_gpu_*.py scripts.
+
+The entry scripts build the device, the (wrapped) model and the loaders; `fit` does everything else
+the same way for all four: the step (engine.build_step), resume, the start-up lines, the epochs
+(engine.train_one_epoch, engine.evaluate), exact distributed evaluation, the best checkpoint and
+early stop, pictures, logs, and --eval-only. What a user edits (the loss, the metrics, the step,
+evaluation) is in engine.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from engine import EpochHooks, EvalSettings, Step, build_step, compute_settings, evaluate, is_multilabel, \
+    sample_metrics, seed_for, train_one_epoch
+from utils import checkpoint as ckpt
+from utils import figures, fsdp, profiling
+from utils.cam import gallery_explainer
+from utils.config import config_to_dict
+from utils.data_wait import input_bound_hint
+from utils.distributed_utils import DistInfo, any_rank, broadcast_object
+from utils.errors import OUT_OF_MEMORY, UserError, nondeterministic_op, out_of_memory
+from utils.metrics import classification_report, multilabel_report
+from utils.optim import place_schedule
+from utils.run_logger import RunLogger, check_run_dir, check_writable, resolve_run_dir, scalar_tag, write_json
+from utils.stop import StopRequest
+
+
+# --------------------------------------------------------------------------- fit
+
+@dataclass
+class _Run:
+    """What every epoch of fit uses."""
+    cfg: object
+    step: Step
+    train_loader: object
+    val_loader: object
+    classes: list
+    dist_info: DistInfo
+    run_dir: Path
+    logger: RunLogger
+    saver: ckpt.Checkpointer
+    stop: Optional[StopRequest]             # installed for the epochs
+    run_state: ckpt.RunState                # epoch, global step, best score: the loop's and the checkpoint's
+    hinted: bool = False                    # the input-bound hint was printed (once per run)
+    profiled: bool = False                  # train.profile's epoch is done (the first this process trains)
+
+
+def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, script_name):
+    """Train for cfg.train.epochs, evaluating, logging and checkpointing after each epoch.
+
+    `model` is what the script built: plain, DataParallel or DDP. Every rank calls fit; only rank 0 writes.
+    """
+    is_main = dist_info.rank == 0
+    # torchrun --max-restarts=N re-runs this same command after a worker dies; a restarted
+    # run continues from its run directory's last.pt (see utils/checkpoint.py).
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if restarted and not cfg.output_dir:
+        raise UserError("torchrun restarted the workers, but the run has no fixed --output-dir to continue; "
+                        "with --max-restarts pass --output-dir DIR --resume auto")
+    run_dir = resolve_run_dir(cfg, script_name, dist_info)
+    # Rank 0 finds and reads the checkpoint and hands it to every rank: nodes need not share the run directory.
+    resume_path, state = ckpt.agree_resume(cfg.resume, run_dir, restarted, dist_info.rank)
+    if cfg.eval_only:
+        return evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state)
+    step, layout = build_step(cfg, model, train_loader, classes, dist_info)  # refuses what the data refutes
+    multilabel = is_multilabel(train_loader)
+    names = best_metric_names(multilabel, len(classes), ema=step.ema is not None)
+    metric, mode = resolve_best(cfg.train, multilabel, names)  # an unknown name stops here, before any training
+    if is_main:
+        check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
+        check_writable(run_dir)
+        ckpt.remove_stale_temps(run_dir / "checkpoints")
+    run_state, notes = (ckpt.RunState(multilabel=multilabel), []) if resume_path is None else \
+        _restore(cfg, state, step, layout, classes, dist_info)
+    del state
+    notes += [note for note in [run_state.follow(metric, mode)] if note]
+    if metric != score_key(multilabel) or cfg.train.early_stop_patience:
+        patience = cfg.train.early_stop_patience
+        notes.append(f"best.pt follows {metric} ({mode})" + (f"; the run stops after {patience} epochs without "
+                                                              "improvement" if patience else ""))
+    logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
+                       resuming=resume_path is not None or restarted or cfg.resume == "auto")
+    saver = ckpt.Checkpointer(run_dir / "checkpoints", step.net, step, config_to_dict(cfg), classes,
+                              layout, cfg.train.keep_last, dist_info.rank)
+    run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state)
+    _log_start(run, resume_path, notes)
+    run.stop = StopRequest().install()
+    metrics, early_stop = {}, False
+    try:
+        for epoch in range(run_state.epoch, cfg.train.epochs):
+            # On the count the last epoch left, or the checkpoint: a resumed run stops where it would have.
+            early_stop = _early_stop(run)
+            if early_stop:
+                # A finished run, not an interrupted one: tools that run many (k-fold, sweeps) read this line.
+                logger.info(early_stop_line(run_state))
+                logger.event("done", reason="early_stop", epochs=run_state.epoch, best_metric=run_state.best_metric,
+                             best=run_state.best_score, best_epoch=run_state.best_epoch)
+                break
+            metrics = _train_epoch(run, epoch)
+    except OUT_OF_MEMORY as e:
+        raise out_of_memory(e, cfg, dist_info, script_name) from e
+    except RuntimeError as e:  # train.deterministic met an op without a deterministic kernel: one line
+        raise nondeterministic_op(e) or e
+    finally:
+        run.stop.uninstall()
+        logger.close()
+    return {best_key(run_state.best_metric): run_state.best_score, "best_metric": run_state.best_metric,
+            "best_epoch": run_state.best_epoch, "early_stop": early_stop, "run_dir": str(run_dir), "last": metrics}
+
+
+def _restore(cfg, state, step, layout, classes, dist_info):
+    """The checkpoint's weights, optimizer, schedule, scaler and EMA into the step; its RunState, and
+    notes on what differs from this run (world size, epochs, a missing EMA)."""
+    if bool(state.get("multilabel")) != step.criterion.multilabel:
+        task = {True: "multi-label", False: "single-label"}
+        raise UserError(f"checkpoint is of a {task[bool(state.get('multilabel'))]} run, the data is "
+                        f"{task[step.criterion.multilabel]} (data.task); resume with the same task, or start "
+                        "from its weights with --weights", every_rank=True)
+    run_state = ckpt.restore(state, step.net, step.optimizer, step.scheduler, step.scaler, classes,
+                             model_name=cfg.model.name, ema=step.ema)
+    notes = []
+    if step.ema is not None and not state.get("ema"):
+        notes.append("note: the checkpoint holds no EMA of the weights; train.ema_decay's average starts "
+                     "from its weights")
+    rng, resume_at, note = ckpt.resume_point(state, dist_info.rank, layout)
+    notes += [note] if note else []
+    theirs = state.get("data") or {}
+    steps, their_steps = layout["steps_per_epoch"], theirs.get("steps_per_epoch")
+    their_epochs = (state.get("config") or {}).get("train", {}).get("epochs")
+    their_accum, their_world = theirs.get("accum_steps", 1), theirs.get("world_size")
+    if cfg.train.global_batch and their_world and (their_world, their_accum) != (dist_info.world_size,
+                                                                                step.accum_steps):
+        # An elastic restart at another world size: the images per step stay N, the accumulation follows.
+        notes.append(f"note: train.global_batch={cfg.train.global_batch} kept: {their_world} -> "
+                     f"{dist_info.world_size} process(es), accumulation {their_accum} -> {step.accum_steps} "
+                     f"batches of {cfg.train.batch_size} per step")
+    if their_steps not in (None, steps):
+        # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps.
+        run_state.global_step = run_state.epoch * steps
+        place_schedule(step.scheduler, cfg.optim, dist_info.world_size, their_epochs or cfg.train.epochs, steps,
+                       run_state.global_step, global_batch=cfg.train.global_batch)
+        notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {steps} "
+                     f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {run_state.epoch + 1}'s "
+                     "start in this run's steps")
+    if rng is not None:
+        ckpt.set_rng_state(rng)  # Python/NumPy continue; torch's is reseeded per epoch
+    if their_epochs not in (None, cfg.train.epochs):
+        notes.append(f"note: the checkpoint's lr schedule spans {their_epochs} epochs and is kept; "
+                     f"training runs to epoch {cfg.train.epochs}")
+    run_state.resume_at = resume_at
+    return run_state, notes
+
+
+def _log_start(run, resume_path, notes):
+    """A new run's config, class list and hparams; the start-up lines (rank 0 writes)."""
+    cfg, step, logger, run_state, device = run.cfg, run.step, run.logger, run.run_state, run.dist_info.device
+    cost = profiling.model_cost(step.net, cfg.data.img_size, cfg.data.channels)  # meta device: ms
+    if resume_path is None:
+        logger.write_config(cfg)
+        logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(run.classes)})
+        # The headline number, the best of train.best_metric (val/best_acc by default; val/best_loss ...), and more.
+        logger.hparams({**config_to_dict(cfg), **cost}, [scalar_tag(score_key(step.criterion.multilabel)),
+                       scalar_tag(best_key(run_state.best_metric)), "val/macro_f1", "val/loss", "train/loss"])
+    resume_at = run_state.resume_at
+    where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
+    logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
+                                                     f"{run_state.global_step})" if resume_path else ""))
+    if cfg.train.amp in ("bf16", "fp16") and step.amp_dtype is None:
+        notes.append(f"note: train.amp={cfg.train.amp} applies on CUDA only; this {device.type} run computes in fp32")
+    for note in notes:
+        logger.info(note)
+    logger.info(f"{len(run.train_loader.dataset)} train / {len(run.val_loader.dataset)} val images, "
+                f"{len(run.classes)} classes, {run.dist_info.world_size} process(es) on {device}, "
+                f"lr {step.optimizer.param_groups[0]['initial_lr']:.4g}, amp {step.amp_dtype or 'off'}"
+                + (f", {step.accum_steps} batches per step" if step.accum_steps > 1 else "")
+                + (f", global batch {cfg.train.global_batch}" if cfg.train.global_batch else "")
+                + (", deterministic" if cfg.train.deterministic else ""))
+    logger.info(profiling.cost_line(cost, cfg.data.img_size))
+    weight, pos_weight = step.criterion.class_weight, step.criterion.pos_weight
+    if weight is not None:
+        logger.info("class weights: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, weight.tolist())))
+    if pos_weight is not None:
+        logger.info("pos_weight: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, pos_weight.tolist())))
+
+
+def _train_epoch(run, epoch):
+    """One epoch: train, evaluate (and the EMA), choose the best, checkpoint, pictures, metrics."""
+    cfg, run_state, stop = run.cfg, run.run_state, run.stop
+    epoch_start = time.perf_counter()
+    run.train_loader.sampler.set_epoch(epoch)
+    torch.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
+    run.train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
+    lr = run_state.resume_at["lr"] if run_state.resume_at else run.step.optimizer.param_groups[0]["lr"]
+
+    def save_step(epoch_step, global_step, loss_sum, images_seen):
+        run.saver.save(dataclasses.replace(run_state, global_step=global_step), epoch_step=epoch_step,
+                       loss_sum=loss_sum, images_seen=images_seen, epoch_lr=lr)
+
+    first_batch = None
+    if epoch == 0 and cfg.train.figures:
+        def first_batch(images, labels, at_step=run_state.global_step):
+            figures.sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, at_step)
+    # train.profile: some steps of the first epoch this process trains
+    profiler = None if run.profiled else profiling.epoch_profiler(
+        cfg.train, run.dist_info.rank, run.run_dir, run.step.device, run.logger.info,
+        len(run.train_loader) // run.step.accum_steps)
+    run.profiled = True
+    hooks = EpochHooks(logger=run.logger, log_every=cfg.train.log_every, world_size=run.dist_info.world_size,
+                       epochs=cfg.train.epochs, stop=stop, save_every=cfg.train.save_every_steps,
+                       save_step=save_step, first_batch=first_batch, profiler=profiler)
+    end = train_one_epoch(run.step, run.train_loader, epoch, run_state.global_step, hooks, run_state.resume_at)
+    run_state.resume_at, run_state.global_step, train = None, end.global_step, end.metrics
+    if end.stopped:
+        _raise_stopped(stop, f"in epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
+    val, worst, pr = _validate(run)
+    # best.pt follows train.best_metric (best_mode); with an EMA the better of the two weight sets
+    # competes, and best.pt records which ("best_weights"). Only a strict improvement counts.
+    which, score = _best_candidate(run_state, val)
+    is_best = run_state.better(score, run_state.best_score)
+    if is_best:
+        run_state.best_score, run_state.best_weights, run_state.best_epoch = score, which, epoch + 1
+    run_state.bad_epochs = 0 if is_best else run_state.bad_epochs + 1  # in the checkpoint: a resume counts on
+    if run_state.multilabel:  # those of the weights a checkpoint's user loads (checkpoint.best_weights)
+        run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
+    run_state.epoch = epoch + 1
+    run.saver.save(run_state, is_best=is_best)
+    cam = _gallery_cam(run.step.net, cfg) if cfg.train.figures and worst and run.logger.enabled else None
+    key = score_key(run_state.multilabel)
+    figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
+                                            run_state.global_step, pr, cam) if cfg.train.figures else 0.0
+    metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
+               best_key(run_state.best_metric): run_state.best_score,
+               **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
+               "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
+    run.logger.epoch(metrics, run.classes)
+    run.logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
+                    f"val_loss {val['val_loss']:.4f}  {key} {val[key]:.4f}  "
+                    + (f"val_macro_f1 {val['val_macro_f1']:.4f}  " if run_state.multilabel else "")
+                    + (f"{key}_ema {val[key + '_ema']:.4f}  " if run.step.ema is not None else "")
+                    + f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
+    if end.input_bound and not run.hinted:
+        run.hinted = True
+        run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
+    # A signal that came during evaluation: the epoch's checkpoint is already written.
+    if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device):
+        _raise_stopped(stop, f"after epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
+    return metrics
+
+
+# The validation numbers evaluated for the EMA too (as <name>_ema), single-label and multi-label.
+EMA_METRICS = {False: ("val_loss", "val_acc", "val_macro_f1"),
+               True: ("val_loss", "val_map", "val_macro_f1", "val_threshold")}
+
+
+def _validate(run):
+    """The epoch's validation metrics (and the EMA's beside them), its worst mistakes (or None) and,
+    multi-label, every image's (probabilities, targets) for the precision-recall curves (or None)."""
+    step, cfg = run.step, run.cfg
+    thresholds = {"threshold": cfg.eval.threshold, "tune_thresholds": cfg.eval.tune_thresholds}
+    val = evaluate(step.model, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
+                   worst_k=cfg.train.worst_images if cfg.train.figures else 0, **thresholds)
+    worst, pr = val.pop("val_worst", None), val.pop("val_pr", None)
+    if step.ema is not None:  # the average's own evaluation, beside the raw weights'
+        averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
+                            **thresholds)
+        val.update({f"{k}_ema": averaged[k] for k in EMA_METRICS[run.run_state.multilabel]})
+    # Unreadable images met so far by any rank or loader worker (a collective: all ranks).
+    val["bad_images"] = sum(ds.sync_bad_images() for ds in (run.train_loader.dataset, run.val_loader.dataset)
+                            if hasattr(ds, "sync_bad_images"))
+    return val, worst, pr
+
+
+def _best_candidate(run_state, val):
+    """(which weights, score) compete this epoch for best.pt: the value of run_state.best_metric, or with an
+    EMA the better of it and its twin (val_acc and val_acc_ema, val_loss and val_loss_ema); a metric named
+    *_ema is the EMA's alone."""
+    metric = run_state.best_metric
+    if metric not in val:  # best_metric_names missed one: refused before any checkpoint is written as best
+        names = ", ".join(k for k, v in val.items() if _is_score(k, v))
+        raise UserError(f"train.best_metric={metric} is not a metric of this run; choose one of {names}",
+                        every_rank=True)
+    if metric.endswith("_ema"):
+        return "ema", val[metric]
+    twin = val.get(f"{metric}_ema")
+    if twin is not None and run_state.better(twin, val[metric]):
+        return "ema", twin
+    return "model", val[metric]
+
+
+def _early_stop(run):
+    """Whether the run ends now, before epoch run_state.epoch + 1: train.early_stop_patience epochs
+    without improvement. Rank 0 decides and every rank gets its answer (a broadcast every rank runs), so all stop at
+    the same epoch even where their views differed."""
+    patience, run_state = run.cfg.train.early_stop_patience, run.run_state
+    if not patience:
+        return False
+    return broadcast_object(run_state.bad_epochs >= patience if run.dist_info.rank == 0 else None)
+
+
+def early_stop_line(run_state):
+    """The one line rank 0 prints when train.early_stop_patience ends the run."""
+    at = f" at epoch {run_state.best_epoch}" if run_state.best_epoch else ""
+    epochs = f"{run_state.bad_epochs} epoch" + ("s" if run_state.bad_epochs != 1 else "")
+    return (f"early stop: {run_state.best_metric} has not improved for {epochs} "
+            f"(best {run_state.best_score:.4f}{at}); the run ends after epoch {run_state.epoch}")
+
+
+# --------------------------------------------------------------------------- an epoch's ends
+
+def _raise_stopped(stop, where, global_step, run_dir, dist_info):
+    """End the run after a stop request's checkpoint: one line on rank 0, 128+signal everywhere."""
+    if dist_info.rank != 0:
+        raise SystemExit(stop.exit_code)
+    command = ckpt.resume_command(run_dir, dist_info.world_size, dist_info.local_world_size)
+    raise UserError(f"stopped by {stop.name} {where}, global step {global_step}; "
+                    f"{run_dir / 'checkpoints' / 'last.pt'} is saved. Resume with: {command}",
+                    exit_code=stop.exit_code)
+
+
+def _gallery_cam(net, cfg):
+    """The worst mistakes' Grad-CAM (utils/cam.py) on rank 0: the bare network's forward and backward
+    (Step.net), so DDP's hooks and collectives stay out; FSDP's sharded model gets none."""
+    return gallery_explainer(net, cfg.model.cam_layer, sharded=fsdp.is_sharded(net))
+
+
+# --------------------------------------------------------------------------- the best checkpoint's metric
+
+def score_key(multilabel):
+    """The validation number the best checkpoint follows by default (train.best_metric=auto): val_map
+    multi-label, else val_acc."""
+    return ckpt.BEST_ACC_METRIC[multilabel]
+
+
+def best_key(metric):
+    """metrics.jsonl's key (and fit's) for the best value of `metric` so far: val_loss -> best_loss."""
+    return metric.replace("val_", "best_", 1)
+
+
+def _is_score(name, value):
+    """A validation number best.pt can follow: one float per epoch (not a count, a time or a list)."""
+    return name.startswith("val_") and isinstance(value, float) and name != "val_seconds"
+
+
+def best_metric_names(multilabel, num_classes, ema):
+    """The numbers train.best_metric may name: the validation floats of every epoch's metrics.jsonl
+    line, known before training from the functions that compute them (run on no images)."""
+    if multilabel:
+        no_images = torch.zeros(0, num_classes)
+        report = {"val_loss": 0.0, **multilabel_report(no_images, no_images, torch.full((num_classes,), 0.5))}
+    else:
+        report = {"val_loss": 0.0, "val_acc": 0.0, **{name: 0.0 for name in sample_metrics(num_classes)},
+                  **classification_report(torch.zeros(num_classes, num_classes))}
+    names = [name for name, value in report.items() if _is_score(name, value)]
+    return names + [f"{name}_ema" for name in EMA_METRICS[multilabel] if ema and name in names]
+
+
+def resolve_best(train_cfg, multilabel, names):
+    """(metric, mode) of train.best_metric and train.best_mode; auto: val_acc (val_map multi-label), and
+    min for a loss, else max. A metric not in `names` is refused in one line that lists them."""
+    metric = score_key(multilabel) if train_cfg.best_metric == "auto" else train_cfg.best_metric
+    if metric not in names:
+        raise UserError(f"train.best_metric={metric} is not a metric of this run; choose one of {', '.join(names)}",
+                        every_rank=True)
+    mode = train_cfg.best_mode
+    if mode == "auto":
+        mode = "min" if metric.removesuffix("_ema").endswith("loss") else "max"
+    return metric, mode
+
+
+# --------------------------------------------------------------------------- --eval-only
+
+def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state=None):
+    """--eval-only: the checkpoint's (or --weights') model on the validation split, or on test/
+    when the data root has one; rank 0 writes eval.json (evaluate's own keys) and two pictures.
+    Multi-label: at the checkpoint's thresholds (eval.threshold for --weights, or tuned on this split
+    with eval.tune_thresholds), eval.json with a per-label table ("labels")."""
+    device, multilabel, net = dist_info.device, is_multilabel(val_loader), ckpt.unwrap(model)
+    if resume_path is None and not cfg.model.weights:  # load_config refused neither; --resume auto found nothing
+        raise UserError(f"--eval-only --resume {cfg.resume} found no checkpoint in '{run_dir}'; pass "
+                        "--resume CHECKPOINT or --weights FILE", every_rank=True)
+    source, thresholds = str(resume_path or cfg.model.weights), None
+    if resume_path is not None:
+        state = state or ckpt.load_checkpoint(resume_path, map_location="cpu")
+        ckpt.check_compatible(state, model, classes, model_name=cfg.model.name)
+        theirs, thresholds = ckpt.label_task(state)
+        if theirs != multilabel:
+            task = {True: "multi-label", False: "single-label"}
+            raise UserError(f"checkpoint '{resume_path}' is of a {task[theirs]} run, the data is {task[multilabel]} "
+                            "(data.task)", every_rank=True)
+        weights = ckpt.best_weights(state)  # its EMA where that made the best score (train.ema_decay)
+        ckpt.load_weights(model, weights)
+        source += " (EMA weights)" if weights is state.get("ema") else ""
+        metric = ckpt.RunState.of(state).best_metric
+        del state, weights
+    else:
+        metric = resolve_best(cfg.train, multilabel, best_metric_names(multilabel, len(classes), ema=True))[0]
+    # What best.pt was chosen by (the checkpoint's, else train.best_metric), read on the weights evaluated here.
+    metric = metric.removesuffix("_ema")
+    if dist_info.rank == 0:
+        check_writable(run_dir)
+    val = evaluate(model, val_loader, device, len(classes), EvalSettings(*compute_settings(cfg, device, multilabel=multilabel)),
+                   worst_k=cfg.train.worst_images, threshold=thresholds or cfg.eval.threshold,
+                   tune_thresholds=cfg.eval.tune_thresholds)
+    val.pop("val_seconds")
+    val.pop("val_pr", None)
+    if multilabel:
+        val["val_worst"] = [{**w, "true": [classes[c] for c in w["labels"]],
+                             "predicted": [classes[c] for c in w["preds"]]} for w in val.get("val_worst", [])]
+        val["labels"] = [{"label": name, **{k: val[f"val_{k}"][c] for k in PER_LABEL}}
+                         for c, name in enumerate(classes)]
+    else:
+        val["val_worst"] = [{**w, "true": classes[w["label"]], "predicted": classes[w["pred"]]}
+                            for w in val.get("val_worst", [])]
+    split = getattr(val_loader.dataset, "split", "val")
+    result = {"checkpoint": source, "split": split, "classes": list(classes), "best_metric": metric,
+              **profiling.model_cost(net, cfg.data.img_size, cfg.data.channels), **val}
+    if dist_info.rank == 0:
+        if multilabel:
+            figures.save_png(figures.f1_bars_image(val["val_f1"], classes), run_dir / "per_label_f1.png")
+        else:
+            figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
+                             run_dir / "confusion_matrix.png")
+        if cfg.train.worst_images:
+            cam = _gallery_cam(net, cfg) if val["val_worst"] else None
+            figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset, cam),
+                             run_dir / "worst_mistakes.png")
+        write_json(run_dir / "eval.json", result)
+        if multilabel:
+            scores = (f"mAP {val['val_map']:.4f}  micro-F1 {val['val_micro_f1']:.4f}  "
+                      f"exact match {val['val_exact_match']:.4f}")
+        else:
+            top5 = f"  top-5 {val['val_top5']:.4f}" if "val_top5" in val else ""
+            scores = f"accuracy {val['val_acc']:.4f}{top5}"
+        print(f"eval-only: {source} on {split}: {val['val_count']} images  {scores}  "
+              f"macro-F1 {val['val_macro_f1']:.4f}  -> {run_dir / 'eval.json'}", flush=True)
+    return {best_key(metric): val.get(metric), "best_metric": metric, "run_dir": str(run_dir), "last": result}
+
+
+# The per-label columns of a multi-label eval.json's table ("labels"), each a val_* list of evaluate's.
+PER_LABEL = ("precision", "recall", "f1", "ap", "threshold", "positives")
