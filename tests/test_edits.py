@@ -5,9 +5,10 @@ the tests of what it touches still pass there, and the product does what the REA
 
 - an augmentation (ColorJitter in data.build_transforms): data.pipeline=auto trains on the PIL
   path, data.pipeline=gpu stops with its one line, and the transform tests pass;
-- a focal loss with a gamma key (a Criterion field, the body of Criterion.loss, optim.focal_gamma):
-  training runs on it, the key reaches it, the loop tests pass, and the NaN fault still reaches the
-  training loss (tests/_faults.py patches the criterion);
+- a focal loss with a gamma key (a Criterion field, the single-label return of Criterion.loss,
+  optim.focal_gamma): training runs on it, the key reaches it, the multi-label branch above it still
+  trains a label file on a sigmoid, the loop tests pass, and the NaN fault still reaches the training
+  loss (tests/_faults.py patches the criterion);
 - a metric in engine.sample_metrics: it lands in metrics.jsonl, TensorBoard and eval.json;
 - a config key (schema line + commented default): the config tests pass and the key overrides.
 
@@ -26,6 +27,7 @@ import textwrap
 import pytest
 
 from conftest import FAST_ARGS, REPO, make_image_folder
+from demo import meadow
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +52,7 @@ def _insert(lines, at, code, indent):
 def in_function(path, qualname, code, where):
     """An edit of function (or class) `qualname` in `path`. where:
     "body"          `code` replaces its body, after the docstring;
+    "last"          `code` replaces its last statement (the single-label return of Criterion.loss);
     "before_return" `code` goes before its last statement (a return);
     "after_fields"  `code` goes after a class's last annotated field;
     ("after_call", name) `code` goes after the call to `name` (e.g. a transform in a list)."""
@@ -61,6 +64,10 @@ def in_function(path, qualname, code, where):
             indent = first.col_offset
             del lines[first.lineno - 1:node.body[-1].end_lineno]
             _insert(lines, first.lineno - 1, code, indent)
+        elif where == "last":
+            last = node.body[-1]
+            del lines[last.lineno - 1:last.end_lineno]
+            _insert(lines, last.lineno - 1, code, last.col_offset)
         elif where == "before_return":
             last = node.body[-1]
             assert isinstance(last, ast.Return), f"{qualname} does not end in a return"
@@ -99,7 +106,8 @@ CONFIG_KEY = [
 EDITS = {
     "augmentation": [in_function("data.py", "build_transforms", "transforms.ColorJitter(0.4, 0.4, 0.4),\n",
                                  ("after_call", "RandomHorizontalFlip"))],
-    # The gamma: one Criterion field named as the config key (build_criterion fills it) and one line of loss.
+    # The gamma: one Criterion field named as the config key (build_criterion fills it) and the single-label
+    # return replaced; the multi-label branch above it stays (a softmax over 0/1 rows would train silently).
     "focal_loss": CONFIG_KEY + [
         in_function("engine.py", "Criterion", "focal_gamma: float = 2.0\n", "after_fields"),
         in_function("engine.py", "Criterion.loss", """\
@@ -107,7 +115,7 @@ EDITS = {
                                  reduction="none")
             focal = (1 - torch.exp(-ce)) ** self.focal_gamma * ce
             return focal.mean() if reduction == "mean" else focal
-            """, "body")],
+            """, "last")],
     "metric": [in_function("engine.py", "sample_metrics",
                            'metrics["val_top3"] = lambda logits, labels: '
                            '(logits.topk(3, dim=1).indices == labels[:, None]).any(dim=1)\n', "before_return")],
@@ -201,7 +209,7 @@ def metrics(run_dir):
 
 def test_each_edit_finds_its_place_and_leaves_valid_code(tmp_path):
     """Every edit applies to this tree (one place each, valid Python afterwards), and the focal loss
-    edit changes the body of Criterion.loss alone."""
+    edit changes the single-label return of Criterion.loss alone: its docstring and multi-label branch stay."""
     for name, edits in EDITS.items():
         root = tmp_path / name
         for path, _ in edits:
@@ -210,8 +218,11 @@ def test_each_edit_finds_its_place_and_leaves_valid_code(tmp_path):
         apply(root, edits)
     focal = (tmp_path / "focal_loss" / "engine.py").read_text()
     assert focal.count("self.focal_gamma") == 1 and focal.count("focal_gamma: float = 2.0") == 1
-    before = ast.get_docstring(_node(ast.parse((REPO / "engine.py").read_text()), "Criterion.loss"))
-    assert ast.get_docstring(_node(ast.parse(focal), "Criterion.loss")) == before
+    before = _node(ast.parse((REPO / "engine.py").read_text()), "Criterion.loss")
+    after = _node(ast.parse(focal), "Criterion.loss")
+    kept = len(before.body) - 1  # the docstring and the multi-label branch
+    assert [ast.dump(n) for n in after.body[:kept]] == [ast.dump(n) for n in before.body[:kept]]
+    assert "focal_gamma" in ast.unparse(after.body[kept:]) and "focal_gamma" not in ast.unparse(before)
 
 
 @pytest.mark.parametrize("edited", ["augmentation"], indirect=True)
@@ -232,20 +243,28 @@ def test_an_added_augmentation_trains_on_the_pil_path_and_the_gpu_pipeline_says_
 @pytest.mark.parametrize("edited", ["focal_loss"], indirect=True)
 def test_a_focal_loss_with_a_gamma_key_trains_and_the_loop_tests_and_the_nan_fault_still_hold(edited, tmp_path):
     root, images = edited
+    meadows = meadow.generate(tmp_path / "meadows", images=12, min_size=40, max_size=48)
     p = 1 / (1 + 2 * math.exp(-2))  # softmax probability of the true class of logits (2, 0, 0)
-    (rc, out), (train_rc, train_out), tests = run_calls(
+    (rc, out), (train_rc, train_out), (ml_rc, ml_out), tests = run_calls(
         root, ("-c", "import torch, engine; from utils.config import load_config; "
-                     "x, y = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0]); "
+                     "x, y, t = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0]), torch.tensor([[1.0, 0.0, 1.0]]); "
                      "print(engine.Criterion()(x, y).item(), "
-                     "engine.build_criterion(load_config(['optim.focal_gamma=0.5']).optim)(x, y).item())"),
+                     "engine.build_criterion(load_config(['optim.focal_gamma=0.5']).optim)(x, y).item(), "
+                     "engine.Criterion(multilabel=True)(x, t).item())"),
         ("train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "run", "optim.focal_gamma=1.0"),
+        ("train.py", *FAST_ARGS, "--data-path", meadows, f"data.labels={meadows / 'labels.csv'}",
+         "--output-dir", tmp_path / "multi"),
         touched_tests("focal_loss"))
     assert_passed(tests)
     assert rc == 0, out[-2000:]
-    default, half = map(float, out.split()[-2:])
+    default, half, multi = map(float, out.split()[-3:])
     assert default == pytest.approx((1 - p) ** 2 * -math.log(p), rel=1e-5)
     assert half == pytest.approx((1 - p) ** 0.5 * -math.log(p), rel=1e-5)  # the key reaches the loss
+    sigmoid = [1 / (1 + math.exp(-v)) for v in (2.0, 0.0, 0.0)]  # multi-label: still BCE per label, averaged
+    assert multi == pytest.approx(-(math.log(sigmoid[0]) + math.log(1 - sigmoid[1]) + math.log(sigmoid[2])) / 3,
+                                  rel=1e-5)
     assert train_rc == 0 and len(metrics(tmp_path / "run")) == 1, train_out[-3000:]
+    assert ml_rc == 0 and "val_map" in metrics(tmp_path / "multi")[0], ml_out[-3000:]
 
 
 @pytest.mark.parametrize("edited", ["metric"], indirect=True)
