@@ -1,9 +1,9 @@
 """Shared test helpers: tiny image folders and running the real entry scripts.
 
 Tests run on CPU. Small models and 32 px images keep a whole run to seconds;
-`slow` marks the ones that still take longer (they run in CI too). A `python ...` or `torchrun ...`
-child is forked from the test process, torch already imported (tests/_fork.py); `real_exec` marks the
-tests whose children must be new interpreters.
+`slow` marks the ones that still take longer (they run in CI too). Every `python ...` or `torchrun ...`
+child is a new interpreter, as a user's is: what a test reads of a process (stderr, exit status,
+signals, warnings) is what a user would see.
 """
 import contextlib
 import itertools
@@ -12,13 +12,10 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 from PIL import Image
-
-import _fork
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -96,13 +93,26 @@ def run_entry(script, *args, nproc=None, env=None, timeout=300, cwd=REPO):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def cmdline_of(pid):
+    """The command line of process `pid` as a list (/proc/PID/cmdline), as pgrep -f reads it."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+
+
+def rank_of(pid):
+    """RANK of torchrun worker `pid` (its environment in /proc/PID/environ), or None."""
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
 def workers_of(launcher_pid):
     """{rank: pid} of the worker processes a torchrun agent started (its children, read from /proc)."""
     found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid:
-                rank = _fork.rank_of(int(stat.parent.name))
+                rank = rank_of(int(stat.parent.name))
                 if rank is not None:
                     found[rank] = int(stat.parent.name)
         except (OSError, IndexError, ValueError):  # the process ended meanwhile
@@ -130,29 +140,38 @@ def checkpoint_with_sizes(tmp_path, monkeypatch, state, data, img_size, val_resi
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds; still runs in CI")
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
-    config.addinivalue_line("markers", "real_exec: its Python children are exec'd, not forked (tests/_fork.py)")
-    _fork.install(tempfile.mkdtemp(prefix="tests-fork-"))
 
 
-def pytest_unconfigure(config):
-    if _fork.REGISTRY is not None:
-        shutil.rmtree(_fork.REGISTRY, ignore_errors=True)
+@contextlib.contextmanager
+def _process_state_kept():
+    """os.environ and torch's determinism switches as they were: an entry script's main() run in this
+    process sets them (train.deterministic: CUBLAS_WORKSPACE_CONFIG, use_deterministic_algorithms;
+    LOCAL_RANK, MASTER_ADDR), and a later test or child would inherit them."""
+    env = dict(os.environ)
+    torch = sys.modules.get("torch")
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) if torch else None
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        if flags is not None:
+            torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[2:]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _exec_module_children(request):
-    """A module marked real_exec (pytestmark) execs its children, its shared fixtures' included."""
-    _fork.ENABLED = request.node.get_closest_marker("real_exec") is None
-    yield
-    _fork.ENABLED = True
+def _module_process_state():
+    """Around a module's shared fixtures (set up before any test's own fixtures)."""
+    with _process_state_kept():
+        yield
 
 
 @pytest.fixture(autouse=True)
-def _exec_test_children(request):
-    saved = _fork.ENABLED
-    _fork.ENABLED = saved and request.node.get_closest_marker("real_exec") is None
-    yield
-    _fork.ENABLED = saved
+def _test_process_state():
+    with _process_state_kept():
+        yield
 
 
 SESSION_FOLDERS = set()  # made by session-scoped fixtures, used by later modules

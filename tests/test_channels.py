@@ -25,7 +25,7 @@ import export
 import model as model_py
 import predict
 import train
-from conftest import FAST_ARGS, make_image_folder
+from conftest import FAST_ARGS, make_image_folder, run_entry
 from data import build_datasets, make_loader
 from utils import normalization
 from utils.config import load_config
@@ -239,13 +239,16 @@ def test_your_own_model_gets_in_chans_or_its_first_conv_adapted(monkeypatch):
     assert model_py.create_model("plain", 5, channels=1)[0].weight.shape == (4, 1, 3, 3)
 
 
-def test_a_model_whose_first_convolution_is_not_found_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
-    """At config time, before the data is read (the data path does not exist)."""
-    monkeypatch.setitem(model_py.MODELS, "no_conv", lambda num_classes: nn.Sequential(
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, num_classes)))
-    with pytest.raises(SystemExit) as e:
-        train.main([*FAST_ARGS, "--data-path", str(tmp_path / "none"), "model.name=no_conv", *GREY])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err == [
+def no_conv(num_classes):
+    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, num_classes))
+
+
+def test_a_model_whose_first_convolution_is_not_found_is_refused_in_one_line(tmp_path):
+    """At config time, before the data is read (the data path does not exist). A process of its own,
+    the model registered in MODELS by tests/_with_model.py."""
+    proc = run_entry("tests/_with_model.py", "no_conv", "test_channels:no_conv", "train.py", *FAST_ARGS,
+                     "--data-path", tmp_path / "none", "model.name=no_conv", *GREY)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err == [
         "error: data.channels=1: model.name=no_conv has no nn.Conv2d, not one of 3 to sum into 1; give its "
         "MODELS constructor an in_chans argument and build it for in_chans channels, or set data.channels=3"]

@@ -21,8 +21,7 @@ import pytest
 import model
 import train_multi_gpu_ddp
 from _resume_utils import one_thread, run_main  # noqa: F401
-from _fork import cmdline_of
-from conftest import FAST_ARGS, REPO, free_port, workers_of
+from conftest import FAST_ARGS, REPO, cmdline_of, free_port, workers_of
 from utils.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -47,7 +46,6 @@ def ddp_unused_branch(data, out, *extra):
                     "model.name=unused_branch", "--data-path", data, "--output-dir", out, *extra)
 
 
-@pytest.mark.real_exec  # torchrun's line about ending a subprocess worker
 def test_a_stopped_rank_ends_the_job_in_its_timeout_and_the_restart_finishes(image_root, tmp_path):
     """Rank 1 stops (SIGSTOP) in epoch 2 of 3. Within ddp.timeout_minutes (30 s here) rank 0 gives up with
     one line naming the timeout; torchrun --max-restarts=1 kills the stopped worker and restarts, the run

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import model
-from conftest import REPO, make_image_folder
+from conftest import REPO, make_image_folder, run_entry
 from _resume_utils import assert_same_weights, run_args, run_main, single_thread
 
 
@@ -68,10 +68,11 @@ class UnpoolNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def test_an_op_without_a_deterministic_kernel_is_one_error_line(image_root, tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(model.MODELS, "unpool_net", UnpoolNet)
+def test_an_op_without_a_deterministic_kernel_is_one_error_line(image_root, tmp_path):
+    """A process of its own (the model registered by tests/_with_model.py): its whole stderr is the line."""
     args = run_args(image_root, tmp_path / "run", "model.name=unpool_net", "train.deterministic=true", epochs=1)
-    assert run_main(load_train(), args, monkeypatch) == 1
-    assert capsys.readouterr().err.strip().splitlines() == [
+    proc = run_entry("tests/_with_model.py", "unpool_net", "test_deterministic:UnpoolNet", "train.py", *args)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
         "error: train.deterministic=true, and max_unpooling2d_forward_out has no deterministic kernel on this "
         "device; run with train.deterministic=false, or replace the op in the model"]

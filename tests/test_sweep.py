@@ -23,13 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from _fork import cmdline_of
-from conftest import FAST_ARGS, REPO, make_image_folder
+from conftest import FAST_ARGS, REPO, cmdline_of, make_image_folder
 
-# The trials are exec'd whatever this says (utils/jobs gives them a preexec_fn): forking would save one
-# start-up. Exec'd, the kill lands where this test was tuned (a forked sweep's kill found the retry case
-# that test_a_retried_trial_... now covers).
-pytestmark = pytest.mark.real_exec
 TOOL = REPO / "tools" / "sweep.py"
 SPACE = "optim.lr: [0.02, 1.0e-6]\nmodel.name: [resnet18, bogus_net]\n"
 TRIALS, EPOCHS = 6, 3
