@@ -21,8 +21,9 @@ Two layouts are accepted under `data.path`:
 or a label file (data.labels, utils/label_file.py) lists the images under `data.path` and their labels,
 one or several per image, with an optional split column (train/val/test) that fixes the split.
 
-The split is per class and driven by its own seeded generator, so it is the
-same on every rank and every run and never touches the global RNG.
+The split rule, for folders and label files alike, is utils/splits.py's: per class, by its own seeded
+generator (or data.folds' stratified folds), so it is the same on every rank and every run, the same for
+folders and a label file that lists the same images, and it never touches the global RNG.
 
 Real folders are messy. Hidden and non-image files are ignored (and counted);
 a class folder without images is skipped with a warning. An image that cannot
@@ -48,12 +49,12 @@ from utils.config import config_to_dict, load_config
 from utils.decoding import MODES, BadImage, DraftRandomResizedCrop, DraftResize, load_image, load_rgb
 from utils.distributed_utils import broadcast_object, gather_objects, get_rank, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
-from utils.folds import fold_split, refuse_fixed_split
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
-from utils.label_file import read_label_file, seeded_split
+from utils.label_file import read_label_file
 from utils.loader import PREFETCH_FACTOR, PersistentLoader, collate, reseed_worker
 from utils.normalization import IMAGENET_MEAN, IMAGENET_STD, imagenet_stats, normalize  # noqa: F401 (data.IMAGENET_*)
 from utils.sample_list import BadStatus, SampleList, verify_images
+from utils.splits import SPLITS, refuse_fixed_split, seeded_split, split_samples
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -63,21 +64,21 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 @dataclass
 class Split:
     classes: list          # index -> class name, sorted
-    train: list            # [(path, label), ...]
-    val: list
+    train: SampleList      # (path, label) pairs
+    val: SampleList
     ignored: list = field(default_factory=list)   # hidden and non-image files found under the root
-    test: list = field(default_factory=list)      # root/test/, when the root has one: for --eval-only
+    test: SampleList = field(default_factory=SampleList)  # root/test/ or a label file's test rows: for --eval-only
     multilabel: bool = False  # samples are (path, sorted tuple of class indices): data.labels, data.task
 
 
-def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto", folds=0, fold=0):
-    """Read the class folders under `root` (or the label file `labels`) and split them into train/val
-    (no collectives: see shared_split). task (data.task): auto, single or multi-label. folds > 0:
-    fold `fold` of `folds` is val instead of data.val_rate's share (utils/folds.py)."""
-    if labels:
-        return _label_file_split(root, labels, val_rate, split_seed, task, folds, fold)
+def split_dataset(data_cfg):
+    """The data section -> Split: the class folders under data.path, or the label file data.labels, split
+    into train and val by data.val_rate or data.folds (utils/splits.py), as data.task says (auto, single
+    or multi-label). No collectives: see shared_split."""
+    if data_cfg.labels:
+        return _label_file_split(data_cfg)
     _walk.cache_clear()
-    root = Path(root)
+    root = Path(data_cfg.path)
     if not root.is_dir():
         raise UserError(f"data path '{root}' does not exist or is not a folder; "
                         "set --data-path (the offline demo set: python demo/flowers.py data/demo_flowers)")
@@ -86,34 +87,28 @@ def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto", fo
     # mistake; files inside class folders are counted below, hidden or not.
     ignored = [str(root / f) for f in os.listdir(root) if (root / f).is_file() and not f.startswith(".")]
     if top in (["train", "val"], ["test", "train", "val"]):
-        if folds:
-            refuse_fixed_split(folds, f"'{root}' holds train/ and val/", "point data.path at the class folders")
+        refuse_fixed_split(data_cfg, f"'{root}' holds train/ and val/", "point data.path at the class folders")
         for other in top[:-2] + ["val"]:
             if _class_dirs(root / other) != _class_dirs(root / "train"):
                 raise UserError(f"'{root}/train' and '{root}/{other}' must hold the same class folders")
         classes = _non_empty_classes(root / "train", _class_dirs(root / "train"))
-        split = Split(classes, _scan(root / "train", classes, ignored), _scan(root / "val", classes, ignored))
+        split = Split(classes, *(_scan(root / part, classes, ignored) for part in SPLITS[:2]))
         if "test" in top:
             split.test = _scan(root / "test", classes, ignored)
     else:
         classes = _non_empty_classes(root, top)
-        split = Split(classes, [], [])
-        gen = torch.Generator().manual_seed(split_seed)
-        for label, name in enumerate(classes):
-            files = _images_in(root / name, ignored)
-            order = torch.randperm(len(files), generator=gen).tolist()
-            n_val = 0 if folds else _val_count(name, len(files), val_rate)
-            for i, idx in enumerate(order):
-                (split.val if i < n_val else split.train).append((files[idx], label))
-        if folds:  # every image is in train so far
-            split.train, split.val = fold_split(split.train, classes, folds, fold, split_seed, warn=warn)
+        samples = _scan(root, classes, ignored)
+        if data_cfg.folds:
+            # Folders reach their folds in the seeded per-class order, as they always have: runs resume on it.
+            samples = samples.take(seeded_split(samples, classes, data_cfg.split_seed, lambda name, n: 0)[0])
+        split = Split(classes, *split_samples(samples, classes, data_cfg, warn=warn))
     if not classes and ignored:
         raise UserError(f"data path '{root}' holds files but no class folders; put each class's "
                         "images in its own sub-folder (flower_photos/daisy/*.jpg, ...)")
     if len(classes) < 2:
         raise UserError(f"data path '{root}' holds {len(classes)} class folder(s) with images; "
                         "a classifier needs at least 2 (one sub-folder of images per class)")
-    if not split.train:
+    if not len(split.train):
         raise UserError(f"no training images (.jpg/.jpeg/.png) found under '{root}'")
     split.ignored = ignored
     if ignored:
@@ -121,57 +116,38 @@ def split_dataset(root, val_rate=0.2, split_seed=0, labels=None, task="auto", fo
         warn(f"ignored {len(ignored)} file(s) under '{root}' that are not images "
              f"({hidden} hidden), e.g. '{ignored[0]}'")
     _walk.cache_clear()
-    if task == "multi":  # class folders trained as multi-label: one label per image
+    if data_cfg.task == "multi":  # class folders trained as multi-label: one label per image
         split.multilabel = True
-        for part in ("train", "val", "test"):
-            setattr(split, part, [(p, (label,)) for p, label in getattr(split, part)])
+        for part in SPLITS:
+            setattr(split, part, getattr(split, part).as_multilabel())
     return split
 
 
-def _val_count(name, n, val_rate):
-    """How many of a class's n images go to validation; none left for training is refused."""
-    n_val = int(round(n * val_rate))
-    if n_val == n:
-        raise UserError(f"class '{name}' has {n} image(s) and data.val_rate={val_rate} "
-                        "puts all of them in validation, none in training; lower data.val_rate "
-                        "or add images")
-    if n_val == 0 and val_rate > 0:
-        warn(f"class '{name}' has {n} image(s): data.val_rate={val_rate} leaves it "
-             "no validation image, so val_acc does not measure it")
-    return n_val
-
-
-def _label_file_split(root, labels, val_rate, split_seed, task, folds, fold):
-    """data.labels -> Split. The file's split column fixes the split; without one, each class is split
-    as its folder would be (the same images give the same split). A multi-label row goes with its
-    rarest label (fewest rows; ties: the first class), so a rare label still gets its share of val."""
-    table = read_label_file(labels, root)
-    if task == "single" and table.multi_rows:
+def _label_file_split(data_cfg):
+    """data.labels -> Split. The file's split column fixes the split; without one, the rows are split by
+    the rule folders are (utils/splits.py: the same images give the same split)."""
+    labels = data_cfg.labels
+    table = read_label_file(labels, data_cfg.path)
+    if data_cfg.task == "single" and table.multi_rows:
         first = int(np.flatnonzero(np.diff(table.samples.label_offsets) > 1)[0])
         raise UserError(f"data.task=single, but {table.multi_rows} row(s) of data.labels '{labels}' name several "
                         f"labels, e.g. line {table.lines[first]}; set data.task=multi (or auto), or give one "
                         "label per row")
     samples, classes = table.samples, table.classes
-    multilabel = table.multilabel or task == "multi"
-    if multilabel and not samples.multilabel:
-        samples = SampleList.from_arrays([p for p, _ in samples], label_offsets=np.arange(len(samples) + 1),
-                                         label_values=samples.labels)
+    multilabel = table.multilabel or data_cfg.task == "multi"
+    if multilabel:
+        samples = samples.as_multilabel()
     if len(classes) < (1 if multilabel else 2):
         raise UserError(f"data.labels '{labels}' names {len(classes)} class(es); a classifier needs at least 2")
-    split = Split(classes, [], [], multilabel=multilabel)
-    if table.split is not None and folds:
-        refuse_fixed_split(folds, f"data.labels '{labels}' has a split column", "drop the column")
-    if folds:
-        split.train, split.val = fold_split(samples, classes, folds, fold, split_seed, table.groups, warn)
-    elif table.split is not None:
-        for code, part in enumerate(("train", "val", "test")):
+    split = Split(classes, SampleList(), SampleList(), multilabel=multilabel)
+    if table.split is not None:
+        refuse_fixed_split(data_cfg, f"data.labels '{labels}' has a split column", "drop the column")
+        for code, part in enumerate(SPLITS):
             setattr(split, part, samples.take(np.flatnonzero(table.split == code)))
         if not len(split.val):
             raise UserError(f"data.labels '{labels}' has a split column but no 'val' row; mark some rows val")
     else:
-        train, val = seeded_split(samples, classes, split_seed,
-                                  lambda name, n: _val_count(name, n, val_rate))
-        split.train, split.val = samples.take(train), samples.take(val)
+        split.train, split.val = split_samples(samples, classes, data_cfg, table.groups, warn)
     if not len(split.train):
         raise UserError(f"data.labels '{labels}' has no training rows")
     _warn_unseen_labels(split, labels)
@@ -192,7 +168,7 @@ def _warn_unseen_labels(split, labels):
                  f"{', '.join(map(repr, names[:3]))}; the model cannot learn them")
 
 
-def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto", folds=0, fold=0):
+def shared_split(data_cfg):
     """split_dataset, run by global rank 0 alone and handed to every rank (one broadcast).
 
     One scan instead of one per rank: no metadata storm on a shared filesystem, and the
@@ -202,7 +178,7 @@ def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto", fol
     result = None
     if get_rank() == 0:
         try:
-            result = ("ok", split_dataset(root, val_rate, split_seed, labels, task, folds, fold))
+            result = ("ok", split_dataset(data_cfg))
         except UserError as e:
             result = ("error", str(e), e.exit_code)
     result = broadcast_object(result)
@@ -210,12 +186,12 @@ def shared_split(root, val_rate=0.2, split_seed=0, labels=None, task="auto", fol
         raise UserError(result[1], exit_code=result[2], every_rank=True)
     split = result[1]
     # A label file's images may lie anywhere (absolute paths): the first images are the probe.
-    probes = [] if labels else [str(root)]
+    probes = [] if data_cfg.labels else [str(data_cfg.path)]
     probes += [samples[0][0] for samples in (split.train, split.val) if len(samples)]
     mine = None if all(os.path.exists(p) for p in probes) else node_name()
     missing = sorted({name for name in gather_objects(mine) if name})
     if missing:
-        raise UserError(f"data path '{root}' is missing on {', '.join(missing)}: every node needs the data "
+        raise UserError(f"data path '{data_cfg.path}' is missing on {', '.join(missing)}: every node needs the data "
                         "at the same path (copy it there, or use a shared filesystem)", every_rank=True)
     return split
 
@@ -274,12 +250,10 @@ def build_datasets(data_cfg, eval_only=False):
     eval_only: no training set (None: nothing of it is checked, decoded or loaded), and the
     second dataset is root/test/ when the root has one (its `split` says which).
     """
-    split = shared_split(data_cfg.path, data_cfg.val_rate, data_cfg.split_seed, data_cfg.labels, data_cfg.task,
-                         data_cfg.folds, data_cfg.fold)
+    split = shared_split(data_cfg)
     if eval_only:
-        split.train, split.val = [], split.test if len(split.test) else split.val
-    train, val = (s if isinstance(s, SampleList) else SampleList(s, multilabel=split.multilabel)
-                  for s in (split.train, split.val))
+        split.train, split.val = SampleList(), split.test if len(split.test) else split.val
+    train, val = split.train, split.val
     known_bad = 0
     if data_cfg.verify:
         bad = verify_images([p for s in (train, val) for p, _ in s], data_cfg.max_image_pixels)
@@ -489,10 +463,13 @@ def _images_in(folder, ignored=None):
 
 
 def _scan(root, classes, ignored):
-    samples = []
+    """The images of each class folder under `root`, class by class, each folder's in path order."""
+    paths, labels = [], []
     for label, name in enumerate(classes):
-        samples.extend((p, label) for p in _images_in(Path(root) / name, ignored))
-    return samples
+        images = _images_in(Path(root) / name, ignored)
+        paths.extend(images)
+        labels.extend([label] * len(images))
+    return SampleList.from_arrays(paths, labels=labels) if paths else SampleList()
 
 
 def _non_empty_classes(root, names):

@@ -20,6 +20,11 @@ from utils import normalization
 from utils.config import load_config
 
 
+def split_of(root, **kw):
+    """split_dataset of the data section data.path=root with the data keys given."""
+    return split_dataset(_data_cfg(root, **kw))
+
+
 def as_names(samples):
     return [(os.path.basename(p), label) for p, label in samples]
 
@@ -36,19 +41,19 @@ def uneven_root(tmp_path):
 # --------------------------------------------------------------------------- split
 
 def test_split_is_per_class_and_respects_val_rate(uneven_root):
-    split = split_dataset(uneven_root, val_rate=0.2, split_seed=0)
+    split = split_of(uneven_root, val_rate=0.2, split_seed=0)
     assert split.classes == ["a_cls", "b_cls", "c_cls"]
     val_per_class = [sum(1 for _, y in split.val if y == c) for c in range(3)]
     train_per_class = [sum(1 for _, y in split.train if y == c) for c in range(3)]
     assert val_per_class == [2, 1, 4]
     assert train_per_class == [8, 4, 16]
     # Disjoint, complete, and every label is the folder the file sits in.
-    all_paths = [p for p, _ in split.train + split.val]
+    all_paths = [p for p, _ in [*split.train, *split.val]]
     assert len(set(all_paths)) == 35
-    for p, label in split.train + split.val:
+    for p, label in [*split.train, *split.val]:
         assert os.path.basename(os.path.dirname(p)) == split.classes[label]
 
-    half = split_dataset(uneven_root, val_rate=0.5, split_seed=0)
+    half = split_of(uneven_root, val_rate=0.5, split_seed=0)
     assert [sum(1 for _, y in half.val if y == c) for c in range(3)] == [5, round(2.5), 10]
 
 
@@ -58,17 +63,17 @@ def test_split_rounds_each_class_to_the_nearest_image(tmp_path):
     root = tmp_path / "remainders"
     for name, n in (("a", 7), ("b", 8), ("c", 12), ("d", 13)):
         make_image_folder(root, per_class=n, classes=(name,), size=(8, 8))
-    split = split_dataset(root, val_rate=0.2, split_seed=0)
+    split = split_of(root, val_rate=0.2, split_seed=0)
     assert [sum(y == c for _, y in split.val) for c in range(4)] == [1, 2, 2, 3]
     assert [sum(y == c for _, y in split.train) for c in range(4)] == [6, 6, 10, 10]
 
 
 def test_split_is_deterministic_and_leaves_global_rng_alone(uneven_root):
-    first = split_dataset(uneven_root, val_rate=0.3, split_seed=7)
+    first = split_of(uneven_root, val_rate=0.3, split_seed=7)
 
     random.seed(123), np.random.seed(123), torch.manual_seed(123)
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
-    second = split_dataset(uneven_root, val_rate=0.3, split_seed=7)
+    second = split_of(uneven_root, val_rate=0.3, split_seed=7)
     after = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
 
     assert as_names(first.train) == as_names(second.train)
@@ -79,24 +84,26 @@ def test_split_is_deterministic_and_leaves_global_rng_alone(uneven_root):
 
     # A different global seed does not change it; a different split_seed does.
     torch.manual_seed(999)
-    assert as_names(split_dataset(uneven_root, val_rate=0.3, split_seed=7).val) == as_names(first.val)
-    assert as_names(split_dataset(uneven_root, val_rate=0.3, split_seed=8).val) != as_names(first.val)
+    assert as_names(split_of(uneven_root, val_rate=0.3, split_seed=7).val) == as_names(first.val)
+    assert as_names(split_of(uneven_root, val_rate=0.3, split_seed=8).val) != as_names(first.val)
 
 
 @pytest.mark.slow
 def test_split_is_identical_in_another_process(uneven_root):
     """What every rank and every later run computes: a fresh interpreter, other hash seed, other cwd."""
-    here = split_dataset(uneven_root, val_rate=0.3, split_seed=7)
+    here = split_of(uneven_root, val_rate=0.3, split_seed=7)
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import torch; torch.manual_seed(5);"
-            "from data import split_dataset; s = split_dataset(sys.argv[2], 0.3, 7);"
-            "print(json.dumps({'classes': s.classes, 'train': s.train, 'val': s.val}))")
+            "from data import split_dataset; from utils.config import load_config;"
+            "s = split_dataset(load_config(['data.path=' + sys.argv[2], 'data.val_rate=0.3',"
+            " 'data.split_seed=7']).data);"
+            "print(json.dumps({'classes': s.classes, 'train': list(s.train), 'val': list(s.val)}))")
     out = subprocess.run([sys.executable, "-c", code, str(REPO), str(uneven_root)], capture_output=True,
                          text=True, check=True, cwd=uneven_root.parent,
                          env={**os.environ, "PYTHONHASHSEED": "4321"}, timeout=120)
     there = json.loads(out.stdout)
     assert there["classes"] == here.classes
-    assert [tuple(x) for x in there["train"]] == here.train
-    assert [tuple(x) for x in there["val"]] == here.val
+    assert [tuple(x) for x in there["train"]] == list(here.train)
+    assert [tuple(x) for x in there["val"]] == list(here.val)
 
 
 # Today's splits of a small fixture, written down: existing runs and their resumes rely on the same seed giving
@@ -135,7 +142,7 @@ def test_split_is_todays_for_the_same_seed(tmp_path, case):
     kw, train, val = PINNED[case]
     if kw.get("labels"):
         kw = {**kw, "labels": tmp_path / "pinned.csv"}
-    split = split_dataset(root, **kw)
+    split = split_of(root, **kw)
 
     def names(samples):
         return " ".join(f"{os.path.basename(p)[:-4]}:{'+'.join(map(str, y)) if isinstance(y, tuple) else y}"
@@ -143,11 +150,22 @@ def test_split_is_todays_for_the_same_seed(tmp_path, case):
     assert (names(split.train), names(split.val)) == (train, val)
 
 
+def test_split_order_is_the_path_strings_order_even_for_names_that_are_not_utf8():
+    """Rows are split in sorted() order of their paths; a name that is not UTF-8 (byte 0x80 reads as the
+    surrogate U+DC80) sorts after 'é' as a string, though before it as bytes."""
+    from utils.sample_list import SampleList
+    from utils.splits import path_order
+    paths = [os.fsdecode(b"/r/a/\x80.jpg"), "/r/a/\u00e9.jpg", "/r/a/b.jpg", "/r/a/\u00e9a.jpg"]
+    samples = SampleList([(p, 0) for p in paths])
+    assert [paths[i] for i in path_order(samples)] == sorted(paths)
+    assert [paths[1:][i] for i in path_order(samples.take([1, 2, 3]))] == sorted(paths[1:])
+
+
 def test_presplit_root_is_used_as_is(tmp_path):
     root = tmp_path / "presplit"
     make_image_folder(root / "train", per_class=4, classes=("cat", "dog"), size=(8, 8))
     make_image_folder(root / "val", per_class=2, classes=("cat", "dog"), size=(8, 8))
-    split = split_dataset(root, val_rate=0.5, split_seed=0)  # val_rate is ignored here
+    split = split_of(root, val_rate=0.5, split_seed=0)  # val_rate is ignored here
     assert split.classes == ["cat", "dog"]
     assert len(split.train) == 8 and len(split.val) == 4
     assert all(f"{os.sep}train{os.sep}" in p for p, _ in split.train)
@@ -166,8 +184,8 @@ def test_extensions_are_case_insensitive(tmp_path):
         (d / "notes.txt").write_text("not an image")
         (d / "Thumbs.db").write_bytes(b"\0")
         Image.new("RGB", (8, 8)).save(d / ".hidden.jpg")
-    split = split_dataset(root, val_rate=0.0, split_seed=0)
-    assert split.val == []
+    split = split_of(root, val_rate=0.0, split_seed=0)
+    assert len(split.val) == 0
     found = sorted(os.path.basename(p) for p, y in split.train if y == 0)
     assert found == sorted(f"img{i}{ext}" for i, ext in
                            enumerate((".jpg", ".JPG", ".jpeg", ".JPEG", ".png", ".PNG", ".Jpg")))

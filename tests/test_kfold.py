@@ -1,4 +1,4 @@
-"""k-fold cross-validation: data.folds/data.fold (utils/folds.py) and tools/kfold.py, as a user runs them.
+"""k-fold cross-validation: data.folds/data.fold (utils/splits.py) and tools/kfold.py, as a user runs them.
 
     python -m pytest tests/test_kfold.py -q          # the SLURM array test skips without a cluster
 
@@ -25,6 +25,7 @@ import train
 from _resume_utils import run_main
 from conftest import FAST_ARGS, REPO, free_port, make_image_folder
 from test_slurm import PYTHON, SBATCH, _cluster_up, wait_done
+from utils.config import load_config
 
 CLASSES = ("daisy", "roses", "tulips")
 
@@ -35,13 +36,18 @@ def flowers(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("kfold") / "flowers", classes=CLASSES)
 
 
+def split_of(root, **kw):
+    """data.split_dataset of the data section data.path=root with the data keys given."""
+    return data.split_dataset(load_config([f"data.path={root}", *(f"data.{k}={v}" for k, v in kw.items())]).data)
+
+
 def val_sets(root, folds, **kw):
-    return [{p for p, _ in data.split_dataset(root, folds=folds, fold=i, **kw).val} for i in range(folds)]
+    return [{p for p, _ in split_of(root, folds=folds, fold=i, **kw).val} for i in range(folds)]
 
 
 def test_folds_are_disjoint_cover_the_set_are_stratified_and_the_same_on_every_call(tmp_path):
     root = make_image_folder(tmp_path / "flowers", per_class=7)  # 7 per class in 3 folds: 3, 2, 2
-    folds = [data.split_dataset(root, split_seed=5, folds=3, fold=i) for i in range(3)]
+    folds = [split_of(root, split_seed=5, folds=3, fold=i) for i in range(3)]
     every = {p for p, _ in folds[0].train} | {p for p, _ in folds[0].val}
     vals = [[p for p, _ in f.val] for f in folds]
     assert len(every) == 35 and sorted(p for v in vals for p in v) == sorted(every)  # disjoint and covering
@@ -49,7 +55,7 @@ def test_folds_are_disjoint_cover_the_set_are_stratified_and_the_same_on_every_c
         assert {p for p, _ in f.train} == every - set(val)
     per_class = np.array([np.bincount([label for _, label in f.val], minlength=5) for f in folds])
     assert (per_class.max(0) - per_class.min(0) <= 1).all() and (per_class.sum(0) == 7).all(), per_class
-    assert vals == [[p for p, _ in data.split_dataset(root, split_seed=5, folds=3, fold=i).val] for i in range(3)]
+    assert vals == [[p for p, _ in split_of(root, split_seed=5, folds=3, fold=i).val] for i in range(3)]
     assert val_sets(root, 3, split_seed=6) != [set(v) for v in vals]  # data.split_seed chooses the folds
 
 

@@ -19,6 +19,11 @@ from utils.config import load_config
 from utils.errors import UserError
 
 
+def split_of(root, **kw):
+    """data.split_dataset of the data section data.path=root with the data keys given."""
+    return data.split_dataset(load_config([f"data.path={root}", *(f"data.{k}={v}" for k, v in kw.items())]).data)
+
+
 def write_csv(path, rows, header="path,label"):
     path.write_text(header + "\n" + "".join(",".join(r) + "\n" for r in rows), encoding="utf-8")
     return path
@@ -29,9 +34,9 @@ def images(tmp_path_factory):
     """Five classes x 6 images, their folder split, and label files listing the same images."""
     base = tmp_path_factory.mktemp("labels")
     root = make_image_folder(base / "flowers")
-    folders = data.split_dataset(root)
+    folders = split_of(root)
     rel = lambda p: os.path.relpath(p, root)  # noqa: E731
-    listed = [(rel(p), folders.classes[c]) for p, c in folders.train + folders.val]
+    listed = [(rel(p), folders.classes[c]) for p, c in [*folders.train, *folders.val]]
     random.Random(0).shuffle(listed)  # not in the folders' order
     csv = write_csv(base / "labels.csv", listed)
     jsonl = base / "labels.jsonl"
@@ -46,9 +51,9 @@ def test_csv_and_jsonl_read_to_the_folder_split(images):
     """Without a split column a label file is split as its folders would be: same images, same split."""
     folders = images["folders"]
     for file in (images["csv"], images["jsonl"]):
-        split = data.split_dataset(images["root"], labels=file)
+        split = split_of(images["root"], labels=file)
         assert split.classes == folders.classes
-        assert list(split.train) == folders.train and list(split.val) == folders.val
+        assert list(split.train) == list(folders.train) and list(split.val) == list(folders.val)
         assert not split.multilabel and len(split.test) == 0
 
 
@@ -56,7 +61,7 @@ def test_split_column_fixes_the_split(images, tmp_path):
     rows = [(p, c, ("val", "train", "train", "test")[i % 4]) for i, (p, c) in enumerate(images["listed"])]
     file = write_csv(tmp_path / "s.csv", rows, "path,label,split")
     for seed in (0, 1):  # data.split_seed and data.val_rate play no part
-        split = data.split_dataset(images["root"], val_rate=0.5, split_seed=seed, labels=file)
+        split = split_of(images["root"], val_rate=0.5, split_seed=seed, labels=file)
         for part, name in ((split.train, "train"), (split.val, "val"), (split.test, "test")):
             want = [(str(images["root"] / p), split.classes.index(c)) for p, c, s in rows if s == name]
             assert list(part) == want, name
@@ -66,7 +71,7 @@ def test_multilabel_contract(images, tmp_path):
     """Rows naming several labels: Split.multilabel, CSR samples, multi-hot float32 targets in batches."""
     rows = [(p, f"{c};roses" if i % 3 == 0 else c) for i, (p, c) in enumerate(images["listed"])]
     file = write_csv(tmp_path / "m.csv", rows)
-    split = data.split_dataset(images["root"], labels=file)
+    split = split_of(images["root"], labels=file)
     assert split.multilabel
     roses = split.classes.index("roses")
     want = {str(images["root"] / p): tuple(sorted({split.classes.index(n) for n in c.split(";")})) for p, c in rows}
@@ -86,12 +91,12 @@ def test_multilabel_contract(images, tmp_path):
     first = [train_set.samples[i][1] for i in range(4)]
     assert target.tolist() == [[float(c in t) for c in range(5)] for t in first]
     # data.task: multi forces it on a single-label file; single refuses a multi-label one in one line.
-    assert data.split_dataset(images["root"], labels=images["csv"], task="multi").train[0][1] == (
-        data.split_dataset(images["root"], labels=images["csv"]).train[0][1],)
+    assert split_of(images["root"], labels=images["csv"], task="multi").train[0][1] == (
+        split_of(images["root"], labels=images["csv"]).train[0][1],)
     several = sum(len(set(c.split(";"))) > 1 for _, c in rows)
     refusal = rf"data.task=single, but {several} row\(s\) .* name several labels, e.g. line 2"
     with pytest.raises(UserError, match=refusal):
-        data.split_dataset(images["root"], labels=file, task="single")
+        split_of(images["root"], labels=file, task="single")
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +176,7 @@ def test_bad_label_file_is_one_error_line(images, tmp_path, case):
     raw = "path,label\ndaisy/caf\u00e9.jpg,daisy\n".encode("latin-1") if text is None else None
     file = _bad(images, tmp_path, text, raw, "bad.jsonl" if "JSON" in case else "bad.csv")
     with pytest.raises(UserError, match=message) as e:
-        data.split_dataset(images["root"], labels=file)
+        split_of(images["root"], labels=file)
     assert "\n" not in str(e.value)
 
 
@@ -192,7 +197,7 @@ def test_labels_unseen_in_train_are_warned(images, tmp_path, capsys):
     names = _names(images)
     rows = [(p, c, "train") for p, c in images["listed"][2:] if c not in (names["c0"], names["c1"])]
     rows += [(names["p0"], names["c0"], "val"), (names["p1"], f"{names['c1']};zèbre 斑马", "test")]
-    split = data.split_dataset(images["root"], labels=write_csv(tmp_path / "w.csv", rows, "path,label,split"))
+    split = split_of(images["root"], labels=write_csv(tmp_path / "w.csv", rows, "path,label,split"))
     assert split.classes[-1] == "zèbre 斑马" and split.multilabel  # kept as written
     err = capsys.readouterr().err
     assert f"1 label(s) are in val but never in train, e.g. '{names['c0']}'" in err

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import data as data_module
 from _resume_utils import load, run_args, run_main
 from conftest import REPO, free_port, make_image_folder, workers_of
+from utils.config import load_config
 from utils.distributed_utils import cleanup, ddp_kwargs, init_distributed_mode, resolve_backend
 from utils.errors import UserError
 from utils.stop import StopRequest
@@ -201,10 +202,11 @@ def test_one_scan_by_rank_0_each_class_folder_walked_once(flowers, monkeypatch):
     walks = []
     real_walk = os.walk
     monkeypatch.setattr(data_module.os, "walk", lambda top, **k: walks.append(str(top)) or real_walk(top, **k))
-    split = data_module.shared_split(flowers, 0.2, 0)
+    data_cfg = load_config([f"data.path={flowers}"]).data
+    split = data_module.shared_split(data_cfg)
     assert sorted(walks) == sorted(str(flowers / c) for c in split.classes)  # once per class folder
     # Any other rank takes rank 0's split from the broadcast and scans nothing.
     walks.clear()
     monkeypatch.setattr(data_module, "get_rank", lambda: 1)
     monkeypatch.setattr(data_module, "broadcast_object", lambda obj: ("ok", split))
-    assert data_module.shared_split(flowers, 0.2, 0) is split and walks == []
+    assert data_module.shared_split(data_cfg) is split and walks == []

@@ -8,7 +8,7 @@ mean and standard deviation of every final metric.
     OUTPUT_DIR=runs/cv sbatch --array=0-4 slurm/train_ddp.sbatch data.folds=5 data.fold=\\$SLURM_ARRAY_TASK_ID ...
 
 The command after `--` is given exactly as one types it. Fold i runs it with --output-dir
-DIR/fold_<i> and data.folds=K data.fold=i (utils/folds.py: fold i is the validation set, the others
+DIR/fold_<i> and data.folds=K data.fold=i (utils/splits.py: fold i is the validation set, the others
 train); its output goes to DIR/fold_<i>/job.log. One fold after another, or --parallel N at a time,
 each on its own GPU (CUDA_VISIBLE_DEVICES; --gpus-per-job G for a group each), its share of the CPU
 cores (OMP_NUM_THREADS) and, with torchrun, its own port. Then DIR/kfold.json and DIR/kfold.md hold

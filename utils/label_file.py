@@ -7,7 +7,7 @@
 `path` is relative to data.path (an absolute one is kept); `label` is a class name, several in CSV
 separated by `;` (a JSON list in JSON Lines) make the row multi-label; `split` (train/val/test) is
 optional and fixes the split; `group` is optional (a patient, a plant, a video: rows that must stay
-together) and keeps its rows in one fold of data.folds (utils/folds.py). A file that cannot be read as
+together) and keeps its rows in one fold of data.folds (utils/splits.py). A file that cannot be read as
 such is refused in one line that names the row. A million rows read in a few seconds: one pass of
 plain Python over the rows, the result packed into a SampleList at once (utils/sample_list.py).
 """
@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from utils.errors import UserError
 from utils.sample_list import SampleList
+from utils.splits import SPLITS
 
-SPLITS = ("train", "val", "test")
 SPLIT_CODES = {name: code for code, name in enumerate(SPLITS)}
 SHOWN = 3  # rows named in an error about many rows
 
@@ -189,54 +188,3 @@ def _missing(paths):
         if name not in names:
             missing.append(i)
     return missing
-
-
-def seeded_split(samples, classes, split_seed, val_count):
-    """(train rows, val rows) of a label file without a split column, as data.split_dataset splits folders:
-    per class, rows in path order, one seeded generator over the classes in order; val_count(name, n)
-    says how many of a class's n rows go to validation."""
-    key = stratum(samples, len(classes))
-    by_path = path_order(samples)
-    order = by_path[np.argsort(key[by_path], kind="stable")]
-    bounds = np.searchsorted(key[order], np.arange(len(classes) + 1))
-    gen = torch.Generator().manual_seed(split_seed)
-    train, val = [], []
-    for label, name in enumerate(classes):
-        rows = order[bounds[label]:bounds[label + 1]]
-        if not len(rows):
-            continue  # a label only ever second to a rarer one
-        perm = torch.randperm(len(rows), generator=gen).numpy()
-        n_val = val_count(name, len(rows))
-        val.append(rows[perm[:n_val]])
-        train.append(rows[perm[n_val:]])
-    return np.concatenate(train), np.concatenate(val)
-
-
-def stratum(samples, n_classes):
-    """The class each row is split by: its label or, multi-label, its rarest label (fewest rows; ties:
-    the first class), so a rare label still gets its share of validation."""
-    if not samples.multilabel:
-        return samples.labels
-    counts = np.bincount(samples.label_values, minlength=n_classes)
-    # Each row's rarest label: the smallest (row count, class index) among its labels.
-    score = counts[samples.label_values] * n_classes + samples.label_values
-    rows = np.repeat(np.arange(len(samples)), np.diff(samples.label_offsets))
-    best = np.full(len(samples), np.iinfo(np.int64).max)
-    np.minimum.at(best, rows, score)
-    return best % n_classes
-
-
-def path_order(samples):
-    """The rows sorted by path: a split made in this order depends on the images, not on the file's
-    row order or the filesystem's."""
-    return np.argsort(_path_bytes(samples), kind="stable")
-
-
-def _path_bytes(samples):
-    """Every path as a fixed-width bytes array: sorts as the strings do, without a str per row."""
-    lengths = np.diff(samples.offsets)
-    width = max(int(lengths.max()), 1)
-    grid = np.zeros((len(samples), width), dtype=np.uint8)
-    mask = np.arange(width) < lengths[:, None]
-    grid[mask] = samples.paths
-    return grid.view(f"S{width}").ravel()

@@ -83,6 +83,15 @@ class SampleList:
             out._set(None, labels=self.labels[indices], paths=paths, offsets=offsets)
         return out
 
+    def as_multilabel(self):
+        """The same samples as multi-label ones: each class index becomes a one-label tuple (data.task=multi)."""
+        if self.multilabel:
+            return self
+        out = SampleList.__new__(SampleList)
+        out._set(None, label_offsets=np.arange(len(self) + 1), label_values=self.labels, paths=self.paths,
+                 offsets=self.offsets)
+        return out
+
     def label_tuples(self):
         """Each sample's labels as a tuple of class indices (a one-tuple for a single-label list)."""
         if not self.multilabel:
