@@ -133,8 +133,12 @@ def test_a_colour_jpeg_decodes_to_its_luma_plane_as_nvjpeg_does_on_every_path(tm
     assert (small.float() - blocks).abs().mean() < 3
     crop = load_image(tmp_path / "c.jpg", T.Compose([DraftRandomResizedCrop(16)]), mode="L")
     assert crop.shape == (1, 16, 16) and crop.dtype == torch.uint8
-    Image.fromarray(noise).convert("RGBA").save(tmp_path / "c.png")
-    assert load_rgb(tmp_path / "c.png", mode="L").mode == "L"
+    # A colour PNG: its luma (ITU-R 601: 0.299 R + 0.587 G + 0.114 B), not one of its channels.
+    luma = noise.astype(float) @ [0.299, 0.587, 0.114]
+    for kind in ("RGB", "RGBA"):
+        Image.fromarray(noise).convert(kind).save(tmp_path / "c.png")
+        grey = load_rgb(tmp_path / "c.png", mode="L")
+        assert grey.mode == "L" and abs(torch.tensor(luma) - T.PILToTensor()(grey)[0]).max() <= 1, kind
 
 
 def test_the_gpu_pipeline_caches_and_augments_one_channel_on_the_cpu(tmp_path):

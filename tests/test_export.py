@@ -72,3 +72,22 @@ def test_sizes_a_checkpoint_lacks_come_from_default_yaml(trained_run, tmp_path, 
     assert export.main([str(path), "--format", "torchscript", "--out", str(out), "--speed-repeats", "0"]) <= 1e-4
     side = json.loads(out.with_name(out.name + ".json").read_text())
     assert (side["input_size"], side["resize"]) == ([3, want[0], want[0]], want[1])
+
+
+def test_the_speed_table_times_the_eager_model_and_the_exported_file_each_on_its_own_column():
+    """Each column is its own callable's: every call of each is timed (two warm-ups, then the repeats), and a
+    file that takes at least 30 ms a call shows it in the exported column alone."""
+    import time
+    calls = {"eager": [], "exported": []}
+
+    def eager(x):
+        calls["eager"].append(x.shape[0])
+
+    def exported(x):
+        calls["exported"].append(x.shape[0])
+        time.sleep(0.03)
+
+    rows = export.speed(eager, exported, (3, 8, 8), repeats=3)
+    assert [batch for batch, _, _ in rows] == list(export.SPEED_BATCHES)
+    assert calls["eager"] == calls["exported"] == [b for b in export.SPEED_BATCHES for _ in range(5)]
+    assert all(exported_ms >= 30 > eager_ms for _, eager_ms, exported_ms in rows), rows

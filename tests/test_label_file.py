@@ -159,6 +159,7 @@ BAD_FILES = {
     "missing images": ("path,label\n{p0},{c0}\nnope/1.jpg,x\n{p1},{c1}\nnope/2.jpg,x\nnope/3.jpg,x\nnope/4.jpg,x\n",
                        r": 4 of 6 row\(s\) name an image that does not exist .* e.g. line 3 '.*nope/1.jpg', "
                        r"line 5 '.*nope/2.jpg', line 6 '.*nope/3.jpg'$"),
+    "too few fields": ("path,label,split\n{p0},{c0},train\n{p1},{c1}\n", r"line 3 has 2 field\(s\), the header 3$"),
     "empty label": ("path,label\n{p0},{c0}\n{p1}, \n", r": 1 row\(s\) have an empty path or label, e.g. line 3;"),
     "empty label in a list": ("path,label\n{p0},{c0};\n", r": 1 row\(s\) have an empty path or label, e.g. line 2;"),
     "unknown split": ("path,label,split\n{p0},{c0},train\n{p1},{c1},valid\n",

@@ -258,6 +258,20 @@ def test_tensorboard_has_a_pr_curve_per_label_the_f1_bars_and_the_worst_mistakes
     assert "val/confusion_matrix" not in tags["images"]
 
 
+def test_the_custom_scalars_accuracy_chart_draws_val_map(trained):
+    """A multi-label run has no val/acc: its Custom Scalars accuracy chart is the mAP's."""
+    import re
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    acc = EventAccumulator(str(trained), size_guidance={"tensors": 0})
+    acc.Reload()
+    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {chart.title: [t for t in acc.Tags()["scalars"] if any(re.search(r, t) for r in chart.multiline.tag)]
+              for category in layout.category for chart in category.chart}
+    drawn = [tags for title, tags in charts.items() if "accuracy" in title]
+    assert drawn == [["val/map"]], charts
+
+
 def test_predict_prints_the_labels_at_their_thresholds_and_writes_every_probability(trained, meadows, val_scores,
                                                                                      capsys):
     root, _ = meadows

@@ -272,3 +272,27 @@ def test_trials_side_by_side_split_the_cores(tmp_path, monkeypatch):
                                      sys.executable, "-c", trial])
     assert code == 0, err
     assert [(r["state"], r["val_acc"]) for r in rows(tmp_path / "sw")] == [("COMPLETE", "4.0")] * 2, out
+
+
+@pytest.mark.parametrize("direction", ["max", "min"])
+def test_best_yaml_holds_the_best_trial_not_the_last_finished(tmp_path, direction):
+    """Trials ended in an order where the best is neither the first nor the last: best.yaml and its header
+    name the best one by the metric's direction."""
+    import optuna
+    from types import SimpleNamespace
+    from optuna.distributions import FloatDistribution
+    tool = load_tool()
+    study = optuna.create_study(direction="maximize" if direction == "max" else "minimize")
+    values = {0.1: 0.5, 0.02: 0.9, 0.3: 0.1, 0.05: 0.7}  # lr -> metric, in the order the trials ended
+    for lr, value in values.items():
+        study.add_trial(optuna.trial.create_trial(params={"optim.lr": lr}, value=value, user_attrs={"run_dir": f"r{lr}"},
+                                                  distributions={"optim.lr": FloatDistribution(1e-3, 1.0)}))
+    args = SimpleNamespace(dir=tmp_path, metric="val_loss", direction=direction,
+                           command=[sys.executable, "train.py", "--epochs", "3"])
+    tool.write_outputs(args, {"optim.lr": None}, study)
+    best_lr = (max if direction == "max" else min)(values, key=values.get)
+    text = (tmp_path / "best.yaml").read_text()
+    assert text.startswith(f"# trial {list(values).index(best_lr)} of 4: val_loss {values[best_lr]:.6g} (r{best_lr})")
+    from utils.config import load_config
+    cfg = load_config(["--config", str(tmp_path / "best.yaml")])
+    assert (cfg.optim.lr, cfg.train.epochs) == (best_lr, 3)
