@@ -136,7 +136,7 @@ def _field(rng, w, h, palette):
     return Image.fromarray(np.uint8(np.clip(mottled, 0, 255))).resize((w, h), Image.BILINEAR)
 
 
-def _background(rng, w, h):
+def background(rng, w, h):
     """Grass, soil, foliage, sky, or sky over a meadow; grass blades on all but open sky."""
     kind = int(rng.integers(5))
     img = _field(rng, w, h, (_GRASS, _SOIL, _FOLIAGE, _SKY, _GRASS)[kind])
@@ -156,15 +156,15 @@ def _render(class_index, index, seed, min_size, max_size):
     """Image ``index`` of class ``class_index``, as a PIL RGB image."""
     rng = np.random.default_rng([seed, class_index, index])
     w, h = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
-    img = _background(rng, w, h).resize((w * SS, h * SS), Image.NEAREST)
+    img = background(rng, w, h).resize((w * SS, h * SS), Image.NEAREST)
     draw, count = ImageDraw.Draw(img), int(rng.choice(5, p=[0.45, 0.25, 0.15, 0.1, 0.05])) + 1
     heads = [(rng.uniform(0.12, 0.88) * w, rng.uniform(0.12, 0.88) * h,
               min(w, h) * rng.uniform(0.28, 0.46) * count ** -0.4) for _ in range(count)]
-    _draw_heads(rng, draw, class_index, sorted(heads, key=lambda head: head[1]), h)
-    return _camera(rng, img.reduce(SS), w, h)
+    draw_heads(rng, draw, class_index, sorted(heads, key=lambda head: head[1]), h)
+    return camera(rng, img.reduce(SS), w, h)
 
 
-def _draw_heads(rng, draw, class_index, heads, h):
+def draw_heads(rng, draw, class_index, heads, h):
     """Flowers of class ``class_index`` at heads (x, y, radius), in that order, on a supersampled canvas."""
     flower = (_daisy, _dandelion, _rose, _sunflower, _tulip)[class_index]
     for x, y, r in heads:  # lower in the frame = nearer = drawn on top
@@ -183,7 +183,7 @@ def _draw_heads(rng, draw, class_index, heads, h):
                lambda xs, ys, fill, width: draw.line(canvas(xs, ys), fill, round(width * SS) or 1), r)
 
 
-def _camera(rng, img, w, h):
+def camera(rng, img, w, h):
     """The "camera" over a drawn scene: exposure and white balance, then sensor grain."""
     gain = rng.uniform(0.85, 1.15) * (1 + rng.normal(0, 0.04, 3))
     img = img.point(np.clip(np.arange(256) * gain[:, None] + rng.uniform(-10, 10), 0, 255).astype(int).ravel())

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from demo.flowers import CLASS_NAMES, MARKER, SS, _background, _camera, _draw_heads, write_set  # noqa: E402
+from demo.flowers import CLASS_NAMES, MARKER, SS, background, camera, draw_heads, write_set  # noqa: E402
 
 VAL_SHARE = 0.2
 
@@ -36,13 +36,13 @@ def render(index, seed=0, min_size=96, max_size=160):
         present = rng.choice(len(CLASS_NAMES), 1)
     present = np.sort(rng.permutation(present)[:3])
     w, h = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
-    img = _background(rng, w, h).resize((w * SS, h * SS), Image.NEAREST)
+    img = background(rng, w, h).resize((w * SS, h * SS), Image.NEAREST)
     draw = ImageDraw.Draw(img)
     heads = [(rng.uniform(0.15, 0.85) * w, rng.uniform(0.15, 0.85) * h, min(w, h) * rng.uniform(0.16, 0.24), int(c))
              for c in present for _ in range(int(rng.integers(1, 3)))]
     for x, y, r, c in sorted(heads, key=lambda head: head[1]):  # lower in the frame = nearer = drawn on top
-        _draw_heads(rng, draw, c, [(x, y, r)], h)
-    return _camera(rng, img.reduce(SS), w, h), tuple(int(c) for c in present)
+        draw_heads(rng, draw, c, [(x, y, r)], h)
+    return camera(rng, img.reduce(SS), w, h), tuple(int(c) for c in present)
 
 
 def generate(root, images=600, seed=0, min_size=96, max_size=160):

@@ -1,4 +1,4 @@
-"""Run an entry script with one injected fault, for tests/test_kill_resume.py. Not a product file.
+"""Run an entry script with one injected fault, for tests/test_ddp_resume.py. Not a product file.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/_faults.py nan:1:4 train_multi_gpu_ddp.py ARGS...
 

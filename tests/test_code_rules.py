@@ -14,8 +14,8 @@ and utils/*.py; the device rules also cover benchmarks/*.py.
    compares by type *and* index, so torch.device("cuda") != torch.device("cuda:0"),
    and torch.cuda.set_device(torch.device("cuda")) raises. resolve_device returns an
    indexed device for that reason; both torch facts are asserted here too (they need no GPU).
-3. Layering, as ../shared/tools/import_graph.py reports it: no import cycles among the
-   product modules, and utils/ imports only utils/ (never data.py, model.py or a script).
+3. Layering: no import cycles among the product modules, and utils/ imports only utils/ (never
+   data.py, model.py or a script).
 """
 import ast
 import os
@@ -387,7 +387,7 @@ def test_resolve_device_returns_indexed_cuda_devices(two_fake_gpus):
 
 # =========================================================================== 3. layering
 
-# As ../shared/tools/import_graph.py: every .py below the root except these folders (and hidden ones).
+# Every .py below the root except these folders (and hidden ones): the product and its tools.
 SKIP = {"tests", "benchmarks", ".venv", "venv", "runs", "data", ".git"}
 
 

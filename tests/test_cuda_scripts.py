@@ -1,4 +1,4 @@
-"""The three entry scripts on CUDA: a demo-sized epoch each, SyncBN under torchrun, resume on the GPU.
+"""train.py, DataParallel and DDP on CUDA (FSDP: test_fsdp.py): a demo-sized epoch each, SyncBN, resume.
 
     python -m pytest tests/test_cuda_scripts.py -q          # needs CUDA; skipped without it
 

@@ -126,7 +126,7 @@ EDITS = {
 TOUCHED = {
     "augmentation": ["tests/test_data.py", "tests/test_gpu_pipeline.py", "-k", "transform"],
     "focal_loss": ["tests/test_engine.py", "-k", "hand or nan",
-                   "tests/test_kill_resume.py::test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint"],
+                   "tests/test_ddp_resume.py::test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint"],
     "config_key": ["tests/test_config.py", "-k", "default or comment"],
 }
 

@@ -1,4 +1,4 @@
-"""The three entry scripts, run as a user runs them, and everything a run leaves behind.
+"""train.py, DataParallel and DDP run as a user runs them, and what a run leaves behind (FSDP: test_fsdp.py).
 
     python -m pytest tests/test_entry_scripts.py -q
 

@@ -1,4 +1,4 @@
-"""--eval-only on the three entry scripts: eval.json from a checkpoint, exact at 1, 2 and 3 processes.
+"""--eval-only on train.py, DP and DDP (FSDP: test_fsdp.py): eval.json from a checkpoint, exact at 1-3 processes.
 
     python -m pytest tests/test_eval_only.py -q
 

@@ -6,7 +6,7 @@
 (or a SIGINT in the middle of epoch 2) and continued with the one command the
 stop message prints: final weights, optimizer state and schedule bit-for-bit
 equal, metrics.jsonl equal except timings. The DDP variants, with torchrun and
-kill -9, are in test_kill_resume.py.
+kill -9, are in test_ddp_resume.py.
 """
 import os
 import shlex

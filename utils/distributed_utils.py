@@ -129,7 +129,7 @@ def restart_store(world_size, timeout):
     torchrun keeps one store for the whole job; after `--max-restarts` restarts
     the group, the new workers would otherwise find the dead workers' gloo/NCCL
     addresses under the same keys and try to connect to them (seen as a refused
-    connection, or a hang in process-group creation, in tests/test_kill_resume.py).
+    connection, or a hang in process-group creation, in tests/test_ddp_resume.py).
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -1,6 +1,6 @@
 """The PIL path's input: uint8 batches normalised on the device, and big JPEGs decoded small.
 
-    python -m pytest tests/test_fast_input.py -q
+    python -m pytest tests/test_decoding.py -q
 
 - validation pixels, through the real loader and the loop's device pass, equal torchvision's
   Resize + CenterCrop + ToTensor + Normalize; training pixels are torchvision's RandomResizedCrop

@@ -1,6 +1,6 @@
 """DDP under the real launcher: SIGTERM, kill -9 with torchrun restarts, NaN on one rank.
 
-    python -m pytest tests/test_kill_resume.py -q
+    python -m pytest tests/test_ddp_resume.py -q
 
 Every run is torchrun with 2 gloo processes on the CPU. The SIGTERM and the kill -9 are two stops
 of one run (the command the SIGTERM's line prints is the one that is then killed), compared with one
