@@ -76,7 +76,7 @@ def check_config(cfg, device):
         major, minor = torch.cuda.get_device_capability(device)
         refuse(f"train.amp=auto means fp16 on this GPU ({torch.cuda.get_device_name(device)}, compute capability "
                f"{major}.{minor}: no native bf16), and fp16 needs a loss scaler for sharded gradients; "
-               "set train.amp=off (fp32), or train.amp=bf16 (emulated)")
+               "set train.amp=off (fp32)")  # not bf16: emulated there, its convolutions run outside cuDNN
 
 
 # --------------------------------------------------------------------------- blocks
@@ -229,11 +229,16 @@ def shard_model(model, mesh, amp_dtype=None, names=(), verbose=True):
     block_mp, root_mp, norm_mp = _policies(amp_dtype)
     kwargs = lambda mp: {"mesh": mesh, **({"mp_policy": mp} if mp is not None else {})}  # noqa: E731
     blocks = find_blocks(model, names)
+    in_norm_group = set()
     if norm_mp is not None:
         for group in _norm_groups(model, blocks):
             fully_shard(group if len(group) > 1 else group[0], **kwargs(norm_mp))
+            in_norm_group.update(id(m) for m in group)
     for _, block in blocks:
-        fully_shard(block, **kwargs(block_mp))
+        # A BatchNorm that is a block by itself (RegNet's stem, DenseNet's and VGG's features.N) is in its
+        # fp32 group already: fully_shard applies once per module.
+        if id(block) not in in_norm_group:
+            fully_shard(block, **kwargs(block_mp))
     fully_shard(model, **kwargs(root_mp))
     if verbose:
         shown = ", ".join(n for n, _ in blocks[:6]) + (", ..." if len(blocks) > 6 else "")
