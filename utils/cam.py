@@ -8,7 +8,15 @@ The map of class c at a target layer with activations A (C channels on an H x W 
 relu(sum_k w_k A_k), w_k the mean over the grid of d logit_c / d A_k. The target layer is the last one
 that still has a spatial grid: TARGETS gives it per torchvision family, with the reshape its output
 needs to be (N, C, H, W) (ViT's tokens, Swin's channels-last maps); `model.cam_layer` names it for
-any other model, and a timm model's own `feature_info` gives it there.
+any other model; a timm transformer takes its last block's first norm (as torchvision's ViT), any
+other timm model its own `feature_info`'s last module. Where the layout is not known from the table,
+a 4-D output is channels-last when its last axis, not its second, is as wide as the head's input (the
+first Linear after the layer): timm's Swin maps are (N, H, W, C).
+
+The activation is kept as the layer returned it: the forward goes on with a copy, so an in-place op
+that follows (torchvision DenseNet's ReLU after `features`) changes the copy only. Each map is scaled
+by its own range, however small; a map that is zero everywhere (no part of the image raises the
+class's score at that layer) stays zero, drawn dark, and is said once per process.
 
 The gradient is torch.autograd.grad with respect to the activation alone: nothing is accumulated in
 any parameter's .grad and no optimizer or DDP hook sees it, so a training run with the maps on trains
@@ -16,11 +24,15 @@ bit for bit as one without them. The model runs in eval mode (BatchNorm's runnin
 used and left as they are) and its mode is restored after. The forward is the bare module's (callers
 unwrap DDP): no collective runs.
 """
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from utils.errors import UserError
+
+_NOTED = set()  # the notes and warnings said once per process
 
 # torchvision class -> (target layer, the reshape of its output). "nchw": a map already; "nhwc":
 # channels last (Swin); "tokens": (N, 1 + h*w, D) with the class token first (ViT).
@@ -72,6 +84,12 @@ def find_target(model, name=None):
                 container = model.get_submodule(layer.split(".{last}")[0])
                 layer = layer.format(last=list(container.named_children())[-1][0])
             return layer, reshape
+    if type(model).__module__.startswith("timm."):
+        # A timm transformer (ViT, DeiT, BEiT, EVA, ...): as for torchvision's ViT, the last block's output
+        # reaches the head through the class token alone, so its patch tokens' gradient is zero.
+        blocks = getattr(model, "blocks", None)
+        if isinstance(blocks, (nn.Sequential, nn.ModuleList)) and len(blocks) and hasattr(blocks[-1], "norm1"):
+            return f"blocks.{list(blocks.named_children())[-1][0]}.norm1", "auto"
     timm = _timm_layer(model)
     if timm in modules:
         return timm, "auto"
@@ -86,10 +104,24 @@ def candidates(model, n=6):
     return names[-n:]
 
 
-def to_map(t, reshape):
-    """A target layer's output -> (N, C, H, W). "auto": a 4-D output is NCHW; a 3-D one is tokens, the
-    leading ones beyond a square grid (class or distillation tokens) dropped."""
-    if reshape == "nhwc":
+def head_width(model, layer):
+    """The input width of the first Linear registered after `layer` and outside it (the head's, or the next
+    block's after a channels-last layer), else a timm model's num_features; None without either."""
+    after = False
+    for name, m in model.named_modules():
+        if after and isinstance(m, nn.Linear) and not name.startswith(layer + "."):
+            return m.in_features
+        after = after or name == layer
+    width = getattr(model, "num_features", None)
+    return width if isinstance(width, int) else None
+
+
+def to_map(t, reshape, width=None):
+    """A target layer's output -> (N, C, H, W). "auto": a 3-D output is tokens, the leading ones beyond a
+    square grid (class or distillation tokens) dropped; a 4-D one is channels-last when its last axis,
+    and not its second, is `width` wide (the head's input: head_width), else channels-first."""
+    channels_last = t.dim() == 4 and width is not None and t.shape[-1] == width and t.shape[1] != width
+    if reshape == "nhwc" or (reshape == "auto" and channels_last):
         return t.permute(0, 3, 1, 2)
     if reshape in ("tokens", "auto") and t.dim() == 3:
         n, count, dim = t.shape
@@ -101,12 +133,32 @@ def to_map(t, reshape):
     return t
 
 
+def scaled(cam, layer):
+    """(N, H, W) maps scaled by their own range to [0, 1]. A flat map is 1 where positive (one grid cell,
+    or the same evidence everywhere) and 0 where zero; a zero map is said once per process."""
+    low = cam.amin(dim=(1, 2), keepdim=True)
+    span = cam.amax(dim=(1, 2), keepdim=True) - low
+    flat = span == 0
+    if (flat & (low == 0)).any() and "zero" not in _NOTED:
+        _NOTED.add("zero")
+        print(f"warning: Grad-CAM: a map at layer {layer} is zero everywhere (no part of the image raises the "
+              "class's score there) and is drawn dark; later ones are not reported", file=sys.stderr, flush=True)
+    return torch.where(flat, (cam > 0).to(cam.dtype), (cam - low) / torch.where(flat, 1.0, span))
+
+
 def grad_cam(model, images, classes, layer, reshape="nchw"):
     """Maps (N, H, W) in [0, 1] at the images' size, one per (image, class) pair: classes[i] is the class
-    of images[i]. `images` are the model's input (normalised); each map is scaled to its own maximum."""
+    of images[i]. `images` are the model's input (normalised); each map is scaled by its own range."""
     target = model.get_submodule(layer)
     seen = []
-    handle = target.register_forward_hook(lambda module, args, out: seen.append(out))
+
+    def keep(module, args, out):
+        seen.append(out)
+        # The forward goes on with a copy, so an in-place op after the layer (DenseNet's ReLU after
+        # `features`) changes the copy and not the activation kept (Captum's hooks do the same).
+        return out.clone() if torch.is_tensor(out) else None
+
+    handle = target.register_forward_hook(keep)
     training = model.training
     try:
         model.eval()
@@ -123,11 +175,11 @@ def grad_cam(model, images, classes, layer, reshape="nchw"):
     finally:
         handle.remove()
         model.train(training)
-    activation, grad = to_map(activation.detach().float(), reshape), to_map(grad.float(), reshape)
+    width = head_width(model, layer) if reshape == "auto" else None
+    activation, grad = to_map(activation.detach().float(), reshape, width), to_map(grad.float(), reshape, width)
     cam = (grad.mean(dim=(2, 3), keepdim=True) * activation).sum(dim=1, keepdim=True).relu()
     cam = F.interpolate(cam, size=images.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
-    low = cam.amin(dim=(1, 2), keepdim=True)
-    return ((cam - low) / (cam.amax(dim=(1, 2), keepdim=True) - low).clamp(min=1e-7)).cpu()
+    return scaled(cam, layer).cpu()
 
 
 def maps_for(model, images, pairs, layer, reshape, chunk=16):
@@ -165,8 +217,6 @@ class Explainer:
     def maps(self, images, pairs):
         return maps_for(self.model, images, pairs, self.layer, self.reshape)
 
-
-_NOTED = set()
 
 
 def gallery_explainer(bare, cam_layer, sharded=False):
