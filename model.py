@@ -44,10 +44,9 @@ from utils.fsdp import checkpoint_blocks
 MODELS = {}
 
 # Builder keywords that only some torchvision families take, and the value wanted where they do.
-# zero_init_residual (ResNets): each residual block starts as the identity, which lets a network
-# trained from scratch take a large learning rate from its first steps (Goyal et al., 2017).
 # aux_logits (GoogLeNet, Inception v3): off, so a training step returns one tensor of logits.
-_OPTIONAL_KWARGS = {"zero_init_residual": True, "aux_logits": False}
+# zero_init_residual (ResNets, ResNeXt, Wide ResNet) is model.zero_init_residual, added per call.
+_OPTIONAL_KWARGS = {"aux_logits": False}
 # Families whose position embeddings fix the input size: the builder keyword that sets it.
 _SIZE_KWARG = {"vit_": "image_size", "maxvit_": "input_size"}
 # model.name=timm/<name>: timm.create_model(<name>). timm is imported only then (an optional dependency).
@@ -293,13 +292,15 @@ def _takes(constructor, keyword):
     return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None, log=None, channels=3):
+def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None, log=None, channels=3,
+                 zero_init_residual=False):
     """A model with `num_classes` outputs: your own from MODELS, or torchvision's `name`, randomly
     initialised or with the pretrained weights `pretrained` from the local hub cache (head replaced).
     `img_size` sets the input size of models that fix it (ViT, MaxViT). channels=1 (data.channels):
-    the model reads grey images (adapt_first_conv)."""
+    the model reads grey images (adapt_first_conv). zero_init_residual (model.zero_init_residual): the
+    builders that take it start each residual block's last BatchNorm at 0 (torchvision's own default: off)."""
     check_model(name, pretrained, img_size)  # also here for callers that skip the config (tests, tools)
-    model = _create(name, num_classes, img_size, pretrained, log, channels)
+    model = _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual)
     if channels != 3:  # timm builds for in_chans itself (and sums pretrained RGB kernels as we do)
         conv = model.pretrained_cfg.get("first_conv") if is_timm(name) else adapt_first_conv(model, name, channels)
         if log:
@@ -308,7 +309,7 @@ def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None,
     return model
 
 
-def _create(name, num_classes, img_size, pretrained, log, channels):
+def _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual=False):
     if name in MODELS:
         constructor = MODELS[name]
         if _takes(constructor, "in_chans"):
@@ -320,12 +321,13 @@ def _create(name, num_classes, img_size, pretrained, log, channels):
     kwargs = {}
     if img_size and _size_kwarg(name):
         kwargs[_size_kwarg(name)] = img_size if _size_kwarg(name) == "image_size" else (img_size, img_size)
+    optional = {**_OPTIONAL_KWARGS, "zero_init_residual": bool(zero_init_residual)}
     if not pretrained:
-        return _call_builder(builder, {"weights": None, "num_classes": num_classes, **kwargs})
+        return _call_builder(builder, {"weights": None, "num_classes": num_classes, **kwargs}, optional)
     weights = _weights(name, pretrained)
     path = hub_file(weights)  # check_model saw it there: torchvision's builder will not download
     try:  # torchvision's own builder reads the cached file (its key fixes and arguments included)
-        model = _call_builder(builder, {"weights": weights, **kwargs})
+        model = _call_builder(builder, {"weights": weights, **kwargs}, optional)
     except (RuntimeError, ValueError, EOFError, OSError) as e:
         raise UserError(f"cannot load pretrained weights {weights} from {path}: {str(e).splitlines()[0]}")
     head, old = _replace_head(model, len(weights.meta.get("categories") or ()) or None, num_classes)
@@ -517,7 +519,8 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None, cha
     `img_size` (data.img_size): the input size of ViT-like models, and of the probe forward.
     `channels` (data.channels): 3, or 1 for grey images (adapt_first_conv)."""
     model = create_model(model_cfg.name, num_classes=num_classes, img_size=img_size,
-                         pretrained=model_cfg.pretrained, log=print if verbose else None, channels=channels)
+                         pretrained=model_cfg.pretrained, log=print if verbose else None, channels=channels,
+                         zero_init_residual=model_cfg.zero_init_residual)
     if model_cfg.weights:
         report = load_weights(model, model_cfg.weights)
         if verbose:

@@ -8,6 +8,7 @@ files always hold a valid table of what is finished (what a time limit would lea
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -190,3 +191,30 @@ def test_sample_memory_quick_workers_copy_the_list_but_not_the_sample_list(tmp_p
     assert min(old["worker_growth_mb"]) > 5, old
     assert max(new["worker_growth_mb"]) < min(old["worker_growth_mb"]) / 10, rows
     assert "| SampleList |" in r.stdout
+
+
+@pytest.mark.slow
+def test_init_quick_prints_a_table_of_both_settings(tmp_path):
+    """benchmarks/init.py --quick: train.py with model.zero_init_residual true and false, interleaved, on each
+    set, from scratch and from --weights; the table's every row holds the two means and their difference."""
+    r = subprocess.run([sys.executable, "benchmarks/init.py", "--quick", "--data", tmp_path / "data", "--out-dir",
+                        tmp_path], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **ENV})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "init.json").read_text())
+    assert [run["zero_init_residual"] for run in res["runs"]] == [True, False] * 6  # interleaved
+    assert all(0 <= run["metric"] <= 1 for run in res["runs"])
+    # Each setting's --weights runs start from the checkpoint trained with that setting.
+    for z in ("true", "false"):
+        log = (tmp_path / f"digits-weights-seed0-{z}.log").read_text()
+        assert f"pretrain-demo-{z}" in log and "loaded " in log, log[-2000:]
+    number = r"(\d\.\d{3}) \[(\d\.\d{3}), (\d\.\d{3})\]"
+    rows = re.findall(rf"^\| (digits \(top-1\)|digit pairs \(mAP\)|demo \(top-1\)) \| (scratch|--weights \(\w+\)) "
+                      rf"\| {number} \| {number} \| ([+-]\d\.\d{{3}}) \|$", r.stdout, re.M)
+    assert len(rows) == 6, r.stdout
+    for row in rows:
+        true_mean, false_mean, diff = float(row[2]), float(row[5]), float(row[8])
+        assert diff == pytest.approx(true_mean - false_mean, abs=1.5e-3), row
+    assert re.search(r"better or equal in \d rows with true, \d with false", r.stdout)
+    md = (tmp_path / "init.md").read_text()
+    assert r.stdout.rstrip().endswith(md.strip().splitlines()[-1])  # the table is printed last

@@ -108,8 +108,6 @@ def test_family_trains_and_freezes_to_its_head(name, head):
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
     torch.nn.functional.cross_entropy(model(x), y).backward()
     assert all(p.grad is not None for p in model.parameters()), "every tensor trains unfrozen"
-    if name == "resnet18":  # zero_init_residual reaches the builders that take it
-        assert not model.layer1[0].bn2.weight.any()
 
     model.zero_grad(set_to_none=True)
     assert freeze_all_but_head(model, 3) == head
@@ -124,6 +122,35 @@ def test_family_trains_and_freezes_to_its_head(name, head):
     assert changed == {f"{head}.weight", f"{head}.bias"}
     assert all(torch.equal(b, stats[n]) for n, b in batchnorm_buffers(model).items())
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def last_bn_gammas(model):
+    """Each residual block's last BatchNorm weight (BasicBlock: bn2, Bottleneck: bn3), by block name."""
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, (torchvision.models.resnet.BasicBlock,
+                                                                       torchvision.models.resnet.Bottleneck))}
+    return {n: (b.bn3 if hasattr(b, "bn3") else b.bn2).weight for n, b in blocks.items()}
+
+
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("resnet50", 16)])
+def test_zero_init_residual_key_reaches_the_builder(name, blocks):
+    """model.zero_init_residual (BENCHMARKS.md, section "Initialisation"): on, every block's last BatchNorm
+    starts at 0 (the block is the identity); off, at torchvision's 1; the default is the config's."""
+    gammas = {}
+    for value in ("true", "false", None):
+        cfg = load_config([f"model.name={name}"] + ([f"model.zero_init_residual={value}"] if value else []))
+        torch.manual_seed(0)
+        gammas[value] = last_bn_gammas(build_model(cfg.model, 5, torch.device("cpu"), verbose=False))
+        assert len(gammas[value]) == blocks
+    assert all(not w.any() for w in gammas["true"].values())
+    assert all(torch.equal(w, torch.ones_like(w)) for w in gammas["false"].values())
+    default = "true" if load_config([]).model.zero_init_residual else "false"
+    assert all(torch.equal(w, gammas[default][n]) for n, w in gammas[None].items())
+
+
+def test_zero_init_residual_is_left_out_of_builders_without_it():
+    """A family whose builder takes no zero_init_residual builds with the key on (the keyword is dropped)."""
+    cfg = load_config(["model.name=regnet_y_400mf", "model.zero_init_residual=true"])
+    assert build_model(cfg.model, 3, torch.device("cpu"), verbose=False, img_size=32).fc.out_features == 3
 
 
 def test_unknown_model_name_gets_one_line_with_did_you_mean():

@@ -64,6 +64,7 @@ class ModelConfig:
     name: str = MISSING
     pretrained: Optional[str] = MISSING
     weights: Optional[str] = MISSING
+    zero_init_residual: bool = MISSING
     freeze_layers: bool = MISSING
     sync_bn: bool = MISSING
     channels_last: bool = MISSING
