@@ -208,9 +208,12 @@ def test_ci_runs_the_readme_test_command(name):
 
 @guides
 def test_readme_demo_command_generates_the_demo_set_the_demo_config_reads(name):
+    """Start generates the set, then trains on it: the generator's line comes before the training's."""
     demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    assert (f".venv/bin/python demo/flowers.py {demo['data']['path']} && "
-            ".venv/bin/python train.py --config configs/demo.yaml") in GUIDES[name]
+    start = commands(sections(GUIDES[name])[0])
+    generate = [i for i, c in enumerate(start) if c == f".venv/bin/python demo/flowers.py {demo['data']['path']}"]
+    train = [i for i, c in enumerate(start) if c.startswith(".venv/bin/python train.py --config configs/demo.yaml")]
+    assert generate and train and generate[0] < train[0], start
 
 
 @guides
@@ -245,6 +248,17 @@ def test_every_file_in_the_file_map_exists(name):
     assert len(paths) >= 15
     for path in paths:
         assert (REPO / path).exists(), path
+
+
+@guides
+def test_the_file_map_names_every_file_a_user_meets(name):
+    """Every entry script, module, tool, benchmark, demo, SLURM file and config has its row."""
+    files = sections(GUIDES[name])[-1]
+    named = set(re.findall(r"`([\w./-]+)`", files))
+    patterns = ("*.py", "utils/*.py", "tools/*", "benchmarks/*.py", "demo/*.py", "slurm/*", "configs/**/*.yaml")
+    present = {p.relative_to(REPO).as_posix() for pattern in patterns for p in REPO.glob(pattern)
+               if p.is_file() and p.name != "__init__.py"}
+    assert present - named == set(), f"{name}: the file map lacks these"
 
 
 def test_every_local_link_resolves():
