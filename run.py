@@ -9,7 +9,9 @@ evaluation) is in engine.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ import torch
 from engine import EpochHooks, EvalSettings, Step, build_step, compute_settings, evaluate, is_multilabel, \
     sample_metrics, seed_for, train_one_epoch
 from utils import checkpoint as ckpt
-from utils import figures, fsdp, profiling
+from utils import figures, fsdp, profiling, run_record
 from utils.cam import gallery_explainer
 from utils.config import config_to_dict
 from utils.data_wait import input_bound_hint
@@ -50,6 +52,7 @@ class _Run:
     run_state: ckpt.RunState                # epoch, global step, best score: the loop's and the checkpoint's
     hinted: bool = False                    # the input-bound hint was printed (once per run)
     profiled: bool = False                  # train.profile's epoch is done (the first this process trains)
+    record: dict = dataclasses.field(default_factory=dict)  # utils/run_record.py's (complete on rank 0)
 
 
 def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, script_name):
@@ -77,8 +80,12 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
         check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         check_writable(run_dir)
         ckpt.remove_stale_temps(run_dir / "checkpoints")
+    record = run_record.collect(cfg.data, {"train": train_loader.dataset, "val": val_loader.dataset}, classes,
+                                dist_info)  # every rank: each names its host and GPU
     run_state, notes = (ckpt.RunState(multilabel=multilabel), []) if resume_path is None else \
         _restore(cfg, state, step, layout, classes, dist_info)
+    notes += [note for note in [run_record.data_note((state or {}).get("record", {}).get("data"),
+                                                     record.get("data"))] if note]
     del state
     notes += [note for note in [run_state.follow(metric, mode)] if note]
     if metric != score_key(multilabel) or cfg.train.early_stop_patience:
@@ -88,8 +95,9 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
                        resuming=resume_path is not None or restarted or cfg.resume == "auto")
     saver = ckpt.Checkpointer(run_dir / "checkpoints", step.net, step, config_to_dict(cfg), classes,
-                              layout, cfg.train.keep_last, dist_info.rank)
-    run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state)
+                              layout, cfg.train.keep_last, dist_info.rank, record=record)
+    run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state,
+               record=record)
     _log_start(run, resume_path, notes)
     run.stop = StopRequest().install()
     metrics, early_stop = {}, False
@@ -104,6 +112,7 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                              best=run_state.best_score, best_epoch=run_state.best_epoch)
                 break
             metrics = _train_epoch(run, epoch)
+        logger.info(done_lines(run_dir, run_state, dist_info))
     except OUT_OF_MEMORY as e:
         raise out_of_memory(e, cfg, dist_info, script_name) from e
     except RuntimeError as e:  # train.deterministic met an op without a deterministic kernel: one line
@@ -168,6 +177,7 @@ def _log_start(run, resume_path, notes):
         # The headline number, the best of train.best_metric (val/best_acc by default; val/best_loss ...), and more.
         logger.hparams({**config_to_dict(cfg), **cost}, [scalar_tag(score_key(step.criterion.multilabel)),
                        scalar_tag(best_key(run_state.best_metric)), "val/macro_f1", "val/loss", "train/loss"])
+    _write_record(run, resume_path is not None)
     resume_at = run_state.resume_at
     where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
     logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
@@ -188,6 +198,22 @@ def _log_start(run, resume_path, notes):
         logger.info("class weights: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, weight.tolist())))
     if pos_weight is not None:
         logger.info("pos_weight: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, pos_weight.tolist())))
+
+
+def _write_record(run, resumed):
+    """run_record.json: this start's record on top; a resumed run keeps the earlier starts' under "earlier"."""
+    if not run.logger.enabled:
+        return
+    path = run.run_dir / run_record.FILE
+    record = dict(run.record)
+    if resumed and path.exists():
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, ValueError):
+            before = {}  # a hand-damaged file: this start's record replaces it
+        if before:
+            record["earlier"] = before.pop("earlier", []) + [before]
+    run.logger.write_json(run_record.FILE, record)
 
 
 def _train_epoch(run, epoch):
@@ -310,6 +336,23 @@ def early_stop_line(run_state):
     epochs = f"{run_state.bad_epochs} epoch" + ("s" if run_state.bad_epochs != 1 else "")
     return (f"early stop: {run_state.best_metric} has not improved for {epochs} "
             f"(best {run_state.best_score:.4f}{at}); the run ends after epoch {run_state.epoch}")
+
+
+def done_lines(run_dir, run_state, dist_info, argv=None):
+    """The run's last lines: where best.pt is, its score and epoch, and the commands that use it next."""
+    best = run_dir / "checkpoints" / "best.pt"
+    if not run_state.best_epoch:  # train.epochs reached before this process validated anything
+        return f"done: no epoch validated, no best.pt in {best.parent}"
+    weights = " (EMA weights)" if run_state.best_weights == "ema" else ""
+    run = shlex.quote(str(run_dir))
+    evaluate = ckpt.resume_command(run_dir, dist_info.world_size, dist_info.local_world_size, argv,
+                                   resume=best, flags=("--eval-only",))
+    return "\n".join([
+        f"done: best.pt is epoch {run_state.best_epoch}'s{weights}, {run_state.best_metric} "
+        f"{run_state.best_score:.4f}: {best}",
+        f"  predict:  python predict.py {run} IMAGES",
+        f"  evaluate: {evaluate}",
+        f"  export:   python export.py {run} --format onnx"])
 
 
 # --------------------------------------------------------------------------- an epoch's ends

@@ -10,6 +10,10 @@ plain weights are evaluated when the checkpoint names them; a data root with tra
 """
 import json
 import math
+import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ import torch
 import data
 import train
 from _resume_utils import run_main, single_thread
-from conftest import make_image_folder, run_entry
+from conftest import FAST_ARGS, REPO, make_image_folder, run_entry
 from plain_transforms.sitecustomize import plain_transforms
 
 pytestmark = pytest.mark.slow
@@ -182,3 +186,30 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_under_ddp(trained_
     assert proc.returncode != 0 and errors == [
         "error: checkpoint is a resnet18, this run builds a resnet34 (model.name); resume with "
         "model.name=resnet18, or start from its weights with --weights"], (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_the_runs_last_lines_name_best_pt_and_commands_that_run(tmp_path):
+    """The run's last lines: best.pt's epoch and score as metrics.jsonl has them, its path, and the commands
+    that use it next; the printed evaluate command, run as it is, gives the logged best score in eval.json
+    and leaves every file the run wrote as it was."""
+    run_dir = tmp_path / "run dir"  # a space: the commands must quote the path
+    proc = run_entry("train.py", *FAST_ARGS, "--data-path", make_image_folder(tmp_path / "flowers"),
+                     "--output-dir", run_dir, "train.epochs=3", "optim.lr=0.01")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    lines = (proc.stdout + proc.stderr).rstrip().splitlines()[-4:]
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = [e for e in epochs if "val_acc" in e]
+    best = max(epochs, key=lambda e: e["val_acc"])  # the first of the highest: only a strict gain counts
+    assert lines[0].endswith(f"done: best.pt is epoch {best['epoch']}'s, val_acc {best['val_acc']:.4f}: "
+                             f"{run_dir / 'checkpoints' / 'best.pt'}"), lines
+    assert lines[1].endswith(f"predict:  python predict.py {shlex.quote(str(run_dir))} IMAGES"), lines
+    assert lines[3].endswith(f"export:   python export.py {shlex.quote(str(run_dir))} --format onnx"), lines
+    command = shlex.split(lines[2].split("evaluate: ", 1)[1])
+    assert command[:2] == ["python", str(REPO / "train.py")] and "--eval-only" in command, command
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    again = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dir / "eval.json").read_text())["val_acc"] == pytest.approx(best["val_acc"], abs=1e-6)
+    changed = [p.name for p, b in before.items() if p.read_bytes() != b and not p.name.endswith(".log")]
+    assert not changed, changed

@@ -33,6 +33,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from utils import run_record  # noqa: E402
 from utils.errors import RUNTIME_EXIT, USAGE_EXIT, UserError  # noqa: E402
 from utils.jobs import Job, run_jobs  # noqa: E402
 
@@ -132,6 +133,10 @@ def summarize(out_dir, folds, command, rows):
                # The sample standard deviation (n - 1); none from one fold.
                "std": {k: statistics.stdev(v) if len(v) > 1 else None for k, v in values.items()}}
     out_dir = Path(out_dir)
+    # The folds should differ only in their data: other versions, GPUs or commits are said (run_record.json).
+    records = {f"fold {r['fold']}": run_record.read(out_dir / f"fold_{r['fold']}") for r in rows}
+    summary["record_differences"] = run_record.differences(records)
+    summary["record_note"] = run_record.difference_line(records, "folds")
     (out_dir / "kfold.json").write_text(json.dumps(summary, indent=1) + "\n")
     fmt = lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}"  # noqa: E731
     table = [f"# {folds}-fold cross-validation: {len(done)} of {folds} folds finished", "",
@@ -140,7 +145,9 @@ def summarize(out_dir, folds, command, rows):
     table += ["| mean ± std | | " + " | ".join(f"{fmt(summary['mean'][k])} ± {fmt(summary['std'][k])}"
                                                 for k in keys) + " |"]
     failed = [f"- fold {r['fold']}: {r['error']}" for r in rows if r["status"] != "done"]
-    (out_dir / "kfold.md").write_text("\n".join(table + ([""] + failed if failed else [])) + "\n")
+    note = [summary["record_note"]] if summary["record_note"] else []
+    (out_dir / "kfold.md").write_text("\n".join(table + ([""] + failed if failed else []) + ([""] + note if note
+                                                                                          else [])) + "\n")
     return summary
 
 
@@ -186,6 +193,8 @@ def main(argv):
     print(f"kfold: {len(summary['per_fold']) - len(failed)} of {summary['folds']} folds finished; "
           + "  ".join(f"{k} {v:.4f} ± {summary['std'][k] or 0:.4f}" for k, v in summary["mean"].items()
                       if k.startswith(("val_acc", "val_loss", "val_map", "best_"))), flush=True)
+    if summary["record_note"]:
+        print(f"kfold: {summary['record_note']}", flush=True)
     print(f"kfold: wrote {out / 'kfold.json'} and {out / 'kfold.md'}", flush=True)
     for r in failed:
         print(f"kfold: fold {r['fold']} failed: {r['error']}", file=sys.stderr, flush=True)

@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils.cli import ArgumentParser, cli_entry  # noqa: E402
 from utils.config import CLASSIC_FLAGS, _load_yaml, build_arg_parser, load_config, schema_only  # noqa: E402
+from utils import run_record  # noqa: E402
 from utils.errors import RUNTIME_EXIT, UserError  # noqa: E402
 from utils.jobs import Slots, forwarding_signals, run_job, slot_devices, stopping  # noqa: E402
 
@@ -473,7 +474,8 @@ def write_outputs(args, space, study):
     _write(args.dir / "trials.csv", buf.getvalue())
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "\\|")  # noqa: E731
     md = [f"| {' | '.join(header)} |", "|" + "---|" * len(header)] + [f"| {' | '.join(map(fmt, r))} |" for r in rows]
-    _write(args.dir / "trials.md", "\n".join(md) + "\n")
+    note = record_note(trials)
+    _write(args.dir / "trials.md", "\n".join(md + (["", note] if note else [])) + "\n")
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     if done:
         best = (max if args.direction == "max" else min)(done, key=lambda t: t.value)
@@ -481,6 +483,14 @@ def write_outputs(args, space, study):
         head = (f"# trial {best.number} of {len(counted(trials))}: {args.metric} {best.value:.6g} "
                 f"({best.user_attrs.get('run_dir')}); train with --config {args.dir / 'best.yaml'}\n")
         _write(args.dir / "best.yaml", head + yaml.safe_dump(recipe, sort_keys=False))
+
+
+def record_note(trials):
+    """One line when the trials differ in their run record beyond the command: versions, GPUs, commit or data
+    (the data too: trials of one study should see the same images, unless the space changes the split)."""
+    records = {f"trial {t.number}": run_record.read(t.user_attrs["run_dir"]) for t in trials
+               if t.user_attrs.get("run_dir")}
+    return run_record.difference_line(records, "trials", keys=(*run_record.SHARED, "data"))
 
 
 def best_recipe(command, params):
@@ -570,6 +580,9 @@ def main(argv=None):
     states = {s: sum(t.state.name == s for t in ended) for s in ("COMPLETE", "PRUNED", "FAIL")}
     print(f"{len(ended)} trials: " + ", ".join(f"{n} {s.lower()}" for s, n in states.items())
           + f"; {args.dir / 'trials.md'}" + (f", {args.dir / 'best.yaml'}" if states["COMPLETE"] else ""), flush=True)
+    note = record_note(study.get_trials(deepcopy=False))
+    if note:
+        print(note, flush=True)
 
 
 if __name__ == "__main__":

@@ -198,7 +198,7 @@ def label_task(state):
 
 
 def make_state(model, optimizer, scheduler, scaler, run_state, config, classes, ranks=None, epoch_step=0,
-               epoch_lr=None, data=None, ema=None, sharded=None):
+               epoch_lr=None, data=None, ema=None, sharded=None, record=None):
     """The checkpoint dict of `run_state` (a RunState). `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
     (distributed_utils.gather_objects); `epoch_step` > 0 marks a checkpoint written mid-epoch. With an EMA
     (utils.optim.WeightEMA) its weights are kept under "ema". `model` may be a state dict already (FSDP's
@@ -217,6 +217,7 @@ def make_state(model, optimizer, scheduler, scaler, run_state, config, classes, 
         "classes": list(classes),
         "data": data or {},             # seed, world_size, batch_size, steps_per_epoch: the data order
         "ranks": ranks if ranks is not None else [{"rng": rng_state()}],
+        "record": record or {},         # utils/run_record.py: versions, GPUs, command, git commit, data digest
     }
 
 
@@ -369,8 +370,9 @@ def _restore_weights_and_optimizer(state, model, optimizer):
     load_sharded(model, optimizer, sharded)
 
 
-def resume_command(run_dir, world_size=1, local_world_size=1, argv=None):
-    """The command line that continues this run: the same one, with --output-dir RUN --resume auto."""
+def resume_command(run_dir, world_size=1, local_world_size=1, argv=None, resume="auto", flags=()):
+    """The command line that continues this run: the same one, with --output-dir RUN --resume auto
+    (or --resume `resume`, after `flags`: --eval-only on best.pt)."""
     argv = list(sys.argv if argv is None else argv)
     kept, drop_next = [], False
     for arg in argv[1:]:
@@ -387,8 +389,8 @@ def resume_command(run_dir, world_size=1, local_world_size=1, argv=None):
     else:
         launcher = "python"
     # The two flags go first: key=value overrides must stay one run of words for the parser.
-    return " ".join([launcher, shlex.quote(argv[0]), "--output-dir", shlex.quote(str(run_dir)),
-                     "--resume", "auto", *map(shlex.quote, kept)])
+    return " ".join([launcher, shlex.quote(argv[0]), "--output-dir", shlex.quote(str(run_dir)), *flags,
+                     "--resume", shlex.quote(str(resume)), *map(shlex.quote, kept)])
 
 
 # What a checkpoint written before a layout key existed had: its value then.
@@ -433,8 +435,8 @@ class Checkpointer:
     """Saves the run's objects; `save` is called by every rank (it gathers every rank's state).
     `step`: what holds the optimizer, scheduler, scaler, EMA and device (engine.Step)."""
 
-    def __init__(self, ckpt_dir, model, step, config, classes, layout, keep_last, rank):
-        self.ckpt_dir, self.model, self.step = Path(ckpt_dir), model, step
+    def __init__(self, ckpt_dir, model, step, config, classes, layout, keep_last, rank, record=None):
+        self.ckpt_dir, self.model, self.step, self.record = Path(ckpt_dir), model, step, record
         self.config, self.classes, self.layout, self.keep_last, self.rank = config, classes, layout, keep_last, rank
 
     def save(self, run_state, is_best=False, epoch_step=0, loss_sum=0.0, images_seen=0, epoch_lr=None):
@@ -449,7 +451,7 @@ class Checkpointer:
             step = self.step
             state = make_state(model, step.optimizer, step.scheduler, step.scaler, run_state, self.config,
                                self.classes, ranks=ranks, epoch_step=epoch_step, epoch_lr=epoch_lr,
-                               data=self.layout, ema=step.ema, sharded=sharded)
+                               data=self.layout, ema=step.ema, sharded=sharded, record=self.record)
             try:
                 # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
                 save_checkpoint(state, self.ckpt_dir, is_best, self.keep_last if epoch_step == 0 else 0)
