@@ -35,7 +35,7 @@ from utils.distributed_utils import broadcast_buffers, gather_objects, no_sync, 
 from utils.errors import RUNTIME_EXIT, UserError, unused_parameters
 from utils import fsdp, profiling
 from utils.normalization import model_input, normalization_of
-from utils.metrics import best_f1_thresholds, classification_report, multilabel_report
+from utils.metrics import best_f1_thresholds, classification_report, multilabel_report, top_k_hits
 from utils.mixing import batch_mixer
 from utils.optim import WeightEMA, accumulation, build_optimizer, build_scaler, build_scheduler, resolve_amp
 from utils.run_logger import RunLogger
@@ -149,7 +149,7 @@ def sample_metrics(num_classes):
     metrics.jsonl, in TensorBoard (val_x -> val/x) and in --eval-only's eval.json."""
     metrics = {}
     if num_classes >= 5:
-        metrics["val_top5"] = lambda logits, labels: (logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1)
+        metrics["val_top5"] = lambda logits, labels: top_k_hits(logits, labels, 5)
     return metrics
 
 

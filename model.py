@@ -28,6 +28,7 @@ import torchvision
 from torch import nn
 from torchvision.ops import misc as tv_misc
 
+from utils import run_dir as run_files
 from utils.cam import find_target
 from utils.checkpoint import best_weights, label_task, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
@@ -557,7 +558,7 @@ def checkpoint_path(source):
     """A checkpoint file, or a run directory (its checkpoints/best.pt) -> the checkpoint's path."""
     path = Path(source)
     if path.is_dir():
-        best = path / "checkpoints" / "best.pt"
+        best = run_files.best(path)
         if not best.is_file():
             raise UserError(f"run directory '{path}' has no checkpoints/best.pt; pass a checkpoint file")
         return best

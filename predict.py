@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data import build_transforms, is_image_file, trained_data_config
 from model import load_trained
+from utils import run_dir as run_files
 from utils.cam import find_target, maps_for, overlay
 from utils.cli import ArgumentParser, cli_entry
 from utils.decoding import MODES, BadImage, load_image
@@ -200,8 +201,7 @@ def main(argv=None):
         if Path(args.cam).exists() and not Path(args.cam).is_dir():
             raise UserError(f"--cam '{args.cam}' is a file, not a folder")
     paths = find_images(args.paths)
-    run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
-    out = Path(args.out) if args.out else run_dir / "predictions.csv"
+    out = Path(args.out) if args.out else run_files.run_of(ckpt_path) / run_files.PREDICTIONS
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
     data_cfg = trained_data_config(config)

@@ -23,6 +23,7 @@ from engine import EpochHooks, EvalSettings, Step, build_step, compute_settings,
     sample_metrics, seed_for, train_one_epoch
 from utils import checkpoint as ckpt
 from utils import figures, fsdp, profiling, run_record
+from utils import run_dir as run_files
 from utils.cam import gallery_explainer
 from utils.config import config_to_dict
 from utils.data_wait import input_bound_hint
@@ -79,7 +80,7 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     if is_main:
         check_run_dir(run_dir, resuming=resume_path is not None or cfg.resume == "auto" or restarted)
         check_writable(run_dir)
-        ckpt.remove_stale_temps(run_dir / "checkpoints")
+        ckpt.remove_stale_temps(run_files.checkpoints(run_dir))
     record = run_record.collect(cfg.data, {"train": train_loader.dataset, "val": val_loader.dataset}, classes,
                                 dist_info)  # every rank: each names its host and GPU
     run_state, notes = (ckpt.RunState(multilabel=multilabel), []) if resume_path is None else \
@@ -94,7 +95,7 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                                                               "improvement" if patience else ""))
     logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
                        resuming=resume_path is not None or restarted or cfg.resume == "auto")
-    saver = ckpt.Checkpointer(run_dir / "checkpoints", step.net, step, config_to_dict(cfg), classes,
+    saver = ckpt.Checkpointer(run_files.checkpoints(run_dir), step.net, step, config_to_dict(cfg), classes,
                               layout, cfg.train.keep_last, dist_info.rank, record=record)
     run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state,
                record=record)
@@ -173,7 +174,7 @@ def _log_start(run, resume_path, notes):
     cost = profiling.model_cost(step.net, cfg.data.img_size, cfg.data.channels)  # meta device: ms
     if resume_path is None:
         logger.write_config(cfg)
-        logger.write_json("class_indices.json", {str(i): c for i, c in enumerate(run.classes)})
+        logger.write_json(run_files.CLASSES, {str(i): c for i, c in enumerate(run.classes)})
         # The headline number, the best of train.best_metric (val/best_acc by default; val/best_loss ...), and more.
         logger.hparams({**config_to_dict(cfg), **cost}, [scalar_tag(score_key(step.criterion.multilabel)),
                        scalar_tag(best_key(run_state.best_metric)), "val/macro_f1", "val/loss", "train/loss"])
@@ -204,7 +205,7 @@ def _write_record(run, resumed):
     """run_record.json: this start's record on top; a resumed run keeps the earlier starts' under "earlier"."""
     if not run.logger.enabled:
         return
-    path = run.run_dir / run_record.FILE
+    path = run.run_dir / run_files.RECORD
     record = dict(run.record)
     if resumed and path.exists():
         try:
@@ -213,7 +214,7 @@ def _write_record(run, resumed):
             before = {}  # a hand-damaged file: this start's record replaces it
         if before:
             record["earlier"] = before.pop("earlier", []) + [before]
-    run.logger.write_json(run_record.FILE, record)
+    run.logger.write_json(run_files.RECORD, record)
 
 
 def _train_epoch(run, epoch):
@@ -340,7 +341,7 @@ def early_stop_line(run_state):
 
 def done_lines(run_dir, run_state, dist_info, argv=None):
     """The run's last lines: where best.pt is, its score and epoch, and the commands that use it next."""
-    best = run_dir / "checkpoints" / "best.pt"
+    best = run_files.best(run_dir)
     if not run_state.best_epoch:  # train.epochs reached before this process validated anything
         return f"done: no epoch validated, no best.pt in {best.parent}"
     weights = " (EMA weights)" if run_state.best_weights == "ema" else ""
@@ -363,7 +364,7 @@ def _raise_stopped(stop, where, global_step, run_dir, dist_info):
         raise SystemExit(stop.exit_code)
     command = ckpt.resume_command(run_dir, dist_info.world_size, dist_info.local_world_size)
     raise UserError(f"stopped by {stop.name} {where}, global step {global_step}; "
-                    f"{run_dir / 'checkpoints' / 'last.pt'} is saved. Resume with: {command}",
+                    f"{run_files.last(run_dir)} is saved. Resume with: {command}",
                     exit_code=stop.exit_code)
 
 
@@ -466,15 +467,15 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
               **profiling.model_cost(net, cfg.data.img_size, cfg.data.channels), **val}
     if dist_info.rank == 0:
         if multilabel:
-            figures.save_png(figures.f1_bars_image(val["val_f1"], classes), run_dir / "per_label_f1.png")
+            figures.save_png(figures.f1_bars_image(val["val_f1"], classes), run_dir / run_files.F1_BARS_PNG)
         else:
             figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
-                             run_dir / "confusion_matrix.png")
+                             run_dir / run_files.CONFUSION_PNG)
         if cfg.train.worst_images:
             cam = _gallery_cam(net, cfg) if val["val_worst"] else None
             figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset, cam),
-                             run_dir / "worst_mistakes.png")
-        write_json(run_dir / "eval.json", result)
+                             run_dir / run_files.WORST_PNG)
+        write_json(run_dir / run_files.EVAL, result)
         if multilabel:
             scores = (f"mAP {val['val_map']:.4f}  micro-F1 {val['val_micro_f1']:.4f}  "
                       f"exact match {val['val_exact_match']:.4f}")

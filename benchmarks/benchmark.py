@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from model import create_model  # noqa: E402
 from engine import Step, train_one_epoch  # noqa: E402
+from utils import run_dir as run_files  # noqa: E402
 from utils.optim import build_optimizer, build_scaler, build_scheduler, resolve_amp  # noqa: E402
 
 DDP_BOUND, BARE_BOUND, RATIO_TARGET, EPOCH_TARGET_S = 1.05, 1.05, 0.90, 0.6
@@ -228,7 +229,7 @@ def measure_end_to_end(args, device, pipeline, data_root, out_dir):
     t = time.perf_counter()
     train.main(argv)
     wall = time.perf_counter() - t
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = run_files.read_metrics(run_dir)
     last = rows[-1]
     return {"img_per_s": last["img_per_s"], "train_seconds": last["train_seconds"],
             "val_seconds": last["val_seconds"], "epoch_seconds": last["train_seconds"] + last["val_seconds"],

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repository's modules: this file runs as a script
+from utils import run_dir as run_files  # noqa: E402
 SCRIPTS = {"single": "train.py", "dp": "train_multi_gpu_dp.py", "ddp": "train_multi_gpu_ddp.py"}
 
 
@@ -176,13 +178,13 @@ def run_one(args, mode, k, data_root, out_dir, cuda):
     mem.join()
     wall = time.perf_counter() - start
     (out_dir / f"{mode}{k}.log").write_text(log)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / run_files.METRICS
     if timed_out or proc.returncode != 0 or not metrics.exists():
         tail = "\n".join(log.strip().splitlines()[-5:])
         why = f"timed out after {args.timeout:g} s (--timeout)" if timed_out else f"exit {proc.returncode}"
         return {"mode": mode, "devices": k, "error": f"{why}: {tail}" if tail else why,
                 "wall_seconds": wall}
-    last = json.loads(metrics.read_text().splitlines()[-1])
+    last = run_files.read_metrics(run_dir)[-1]
     return {"mode": mode, "devices": k, "global_batch": batch * (k if mode == "ddp" else 1),
             "s_per_epoch": last["train_seconds"] + last["val_seconds"], "img_per_s": last["img_per_s"],
             "val_acc": last["val_acc"], "val_count": last["val_count"], "wall_seconds": wall,

@@ -59,6 +59,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repository's modules: this file runs as a script
+from utils import run_dir as run_files  # noqa: E402
 IMG_SIZE, VAL_RESIZE, CROP_PCT = 32, 36, 0.875  # timm: floor(32 / 0.875) = 36
 SHAPES = ("disc", "square", "triangle", "cross", "ring")
 PALETTES = {"warm": ((200, 255), (20, 120), (0, 60)), "cool": ((0, 60), (60, 180), (180, 255))}  # RGB ranges
@@ -215,7 +217,7 @@ def timed(cmd, log, threads):
 
 
 def template_result(out):
-    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    epochs = run_files.read_metrics(out)
     seconds = sum(e["train_seconds"] for e in epochs)
     images = sum(e["img_per_s"] * e["train_seconds"] for e in epochs)
     return {"img_per_s": images / seconds, "val_acc": epochs[-1]["val_acc"],

@@ -1,12 +1,12 @@
 """Helpers shared by the checkpoint / resume tests: tiny runs, and 'same run' comparisons."""
 import contextlib
-import json
 import sys
 
 import pytest
 import torch
 
 from conftest import FAST_ARGS
+from utils.run_dir import read_metrics
 
 # Metrics that measure time; everything else in a metrics.jsonl line must match exactly.
 TIMING = {"time", "epoch_seconds", "img_per_s", "train_seconds", "val_seconds", "train_data_wait"}
@@ -56,8 +56,7 @@ def assert_same_weights(a, b, run_state=True):
 
 
 def metrics(run_dir):
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in read_metrics(run_dir)]
 
 
 def assert_same_run(straight, resumed):

@@ -18,6 +18,7 @@ import train
 from bad_files import BROKEN, GOOD_MODES, call_main, cmyk_jpeg, error_line, gray16_png, tree_hash, truncated_jpeg
 from conftest import FAST_ARGS, make_image_folder
 from utils.decoding import load_rgb
+from utils.run_dir import read_metrics
 
 
 def make_messy_folder(base):
@@ -39,10 +40,6 @@ def make_messy_folder(base):
     return root
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def classes_of(run_dir):
     return list(json.loads((run_dir / "class_indices.json").read_text()).values())
 
@@ -62,7 +59,7 @@ def messy(tmp_path_factory):
 
 def test_messy_folder_trains_to_the_end_and_counts_bad_images(messy):
     assert messy["code"] == 0, messy["text"][-3000:]
-    lines = metrics(messy["run"])
+    lines = read_metrics(messy["run"])
     assert len(lines) == 1 and lines[0]["bad_images"] == len(BROKEN)
 
 
@@ -115,7 +112,7 @@ def test_verify_lists_bad_images_before_training_and_skips_them(messy, tmp_path)
     assert not skip_warnings(out + err)  # removed up front, never met while training
     train_n, val_n = map(int, re.search(r"(\d+) train / (\d+) val images", out).groups())
     assert train_n + val_n == 30 - len(BROKEN)
-    assert metrics(tmp_path / "run")[0]["bad_images"] == len(BROKEN)
+    assert read_metrics(tmp_path / "run")[0]["bad_images"] == len(BROKEN)
 
 
 def test_verify_with_bad_image_error_stops_before_training(messy, tmp_path):

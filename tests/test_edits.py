@@ -28,6 +28,7 @@ import pytest
 
 from conftest import FAST_ARGS, REPO, make_image_folder
 from demo import meadow
+from utils.run_dir import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -117,8 +118,8 @@ EDITS = {
             return focal.mean() if reduction == "mean" else focal
             """, "last")],
     "metric": [in_function("engine.py", "sample_metrics",
-                           'metrics["val_top3"] = lambda logits, labels: '
-                           '(logits.topk(3, dim=1).indices == labels[:, None]).any(dim=1)\n', "before_return")],
+                           'metrics["val_top3"] = lambda logits, labels: top_k_hits(logits, labels, 3)\n',
+                           "before_return")],
     "config_key": CONFIG_KEY,
 }
 
@@ -203,10 +204,6 @@ def edited(request, tmp_path):
     return root, make_image_folder(tmp_path / "flowers")
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_each_edit_finds_its_place_and_leaves_valid_code(tmp_path):
     """Every edit applies to this tree (one place each, valid Python afterwards), and the focal loss
     edit changes the single-label return of Criterion.loss alone: its docstring and multi-label branch stay."""
@@ -233,7 +230,7 @@ def test_an_added_augmentation_trains_on_the_pil_path_and_the_gpu_pipeline_says_
         ("train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "gpu", "data.pipeline=gpu"),
         touched_tests("augmentation"))
     assert_passed(tests)
-    assert rc == 0 and len(metrics(tmp_path / "auto")) == 1, out[-3000:]
+    assert rc == 0 and len(read_metrics(tmp_path / "auto")) == 1, out[-3000:]
     assert "gpu pipeline:" not in out  # auto on the CPU: the PIL loader, which applies the jitter
     errors = [line for line in gpu_out.splitlines() if line.startswith("error:")]
     assert gpu_rc == 2 and len(errors) == 1 and "ColorJitter" in errors[0], gpu_out[-3000:]
@@ -263,8 +260,8 @@ def test_a_focal_loss_with_a_gamma_key_trains_and_the_loop_tests_and_the_nan_fau
     sigmoid = [1 / (1 + math.exp(-v)) for v in (2.0, 0.0, 0.0)]  # multi-label: still BCE per label, averaged
     assert multi == pytest.approx(-(math.log(sigmoid[0]) + math.log(1 - sigmoid[1]) + math.log(sigmoid[2])) / 3,
                                   rel=1e-5)
-    assert train_rc == 0 and len(metrics(tmp_path / "run")) == 1, train_out[-3000:]
-    assert ml_rc == 0 and "val_map" in metrics(tmp_path / "multi")[0], ml_out[-3000:]
+    assert train_rc == 0 and len(read_metrics(tmp_path / "run")) == 1, train_out[-3000:]
+    assert ml_rc == 0 and "val_map" in read_metrics(tmp_path / "multi")[0], ml_out[-3000:]
 
 
 @pytest.mark.parametrize("edited", ["metric"], indirect=True)
@@ -276,12 +273,12 @@ def test_a_new_metric_reaches_metrics_tensorboard_and_eval_json(edited, tmp_path
         ("train.py", *FAST_ARGS, "--data-path", images, "--eval-only", "--resume", out_dir / "checkpoints" / "best.pt",
          "--output-dir", tmp_path / "eval"))
     assert rc == 0, out[-3000:]
-    assert 0 <= metrics(out_dir)[0]["val_top3"] <= 1 and metrics(out_dir)[0]["val_top3"] >= metrics(out_dir)[0]["val_acc"]
+    assert 0 <= read_metrics(out_dir)[0]["val_top3"] <= 1 and read_metrics(out_dir)[0]["val_top3"] >= read_metrics(out_dir)[0]["val_acc"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(out_dir)).Reload()
     assert "val/top3" in events.Tags()["scalars"]
     assert eval_rc == 0, eval_out[-3000:]
-    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["val_top3"] == metrics(out_dir)[0]["val_top3"]
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["val_top3"] == read_metrics(out_dir)[0]["val_top3"]
 
 
 @pytest.mark.parametrize("edited", ["config_key"], indirect=True)

@@ -32,6 +32,7 @@ from bad_files import BROKEN
 from conftest import FAST_ARGS, make_image_folder, run_entry
 from model import create_model
 from utils.config import load_config
+from utils.run_dir import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +147,7 @@ def test_outputs_present_and_nothing_else(run):
     events = [f for f in files if f.startswith("events.out.tfevents.")]
     assert len(events) == 1, files
     assert sorted(set(files) - set(events)) == ["checkpoints/best.pt", "checkpoints/last.pt",
-                                                "class_indices.json", "config.yaml", "metrics.jsonl"]
+                                                "class_indices.json", "config.yaml", "metrics.jsonl", "run_record.json"]
 
 
 def test_outputs_written_once_by_one_process(run):
@@ -179,12 +180,8 @@ def test_saved_config_equals_the_loaded_one(run):
 
 # --------------------------------------------------------------------------- metrics and TensorBoard
 
-def read_metrics(run):
-    return [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_metrics_jsonl_has_one_line_per_epoch(run):
-    rows = read_metrics(run)
+    rows = read_metrics(run.run_dir)
     assert [r["epoch"] for r in rows] == list(range(1, run.epochs + 1))
     for r in rows:
         assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
@@ -203,7 +200,7 @@ def test_tensorboard_events_read_back(run):
     acc = EventAccumulator(str(run.run_dir))
     acc.Reload()
     assert set(TB_TAGS) <= set(acc.Tags()["scalars"])
-    rows = read_metrics(run)
+    rows = read_metrics(run.run_dir)
     for tag, key in TB_TAGS.items():
         points = acc.Scalars(tag)
         assert [p.step for p in points] == [r["step"] for r in rows], tag  # the global step an epoch ends at
@@ -218,7 +215,7 @@ def test_logged_window_losses_average_to_the_epochs_train_loss(run):
     acc.Reload()
     windows = [(p.step, p.value) for p in acc.Scalars("train/loss_step")]
     start = 0
-    for row in read_metrics(run):
+    for row in read_metrics(run.run_dir):
         epoch = [(step, loss) for step, loss in windows if start < step <= row["step"]]
         steps = [step - before for (step, _), before in zip(epoch, [start] + [s for s, _ in epoch])]
         assert epoch[-1][0] == row["step"] and len(epoch) == math.ceil((row["step"] - start) / 2)  # log_every=2
@@ -247,11 +244,12 @@ def test_checkpoint_contents(run, which):
 def test_ddp_syncbn_on_cpu_warns_once_and_continues(runs):
     ddp = runs["ddp"]
     assert ddp.proc.returncode == 0, ddp.output[-4000:]
+    # The run's last lines repeat the command (--syncBN True among its flags), indented: they are not notes.
     lines = [line for line in ddp.output.replace("\r", "\n").splitlines()
-             if re.search(r"syncbn|syncbatchnorm", line, re.I)]
+             if re.search(r"syncbn|syncbatchnorm", line, re.I) and not line.startswith("  ")]
     assert len(lines) == 1, lines
     assert "warning" in lines[0].lower()
-    assert len(read_metrics(ddp)) == 1  # and it trained
+    assert len(read_metrics(ddp.run_dir)) == 1  # and it trained
 
 
 def test_ddp_workers_and_ranks_report_each_bad_file_once_and_sum_the_count(runs):
@@ -262,7 +260,7 @@ def test_ddp_workers_and_ranks_report_each_bad_file_once_and_sum_the_count(runs)
     assert ddp.output.count("SyncBatchNorm needs CUDA") == 1
     warned = [line for line in ddp.output.splitlines() if "skipping unreadable image" in line]
     assert sorted(name for name in BROKEN for w in warned if name in w) == sorted(BROKEN), ddp.output[-3000:]
-    assert read_metrics(ddp)[0]["bad_images"] == len(BROKEN)
+    assert read_metrics(ddp.run_dir)[0]["bad_images"] == len(BROKEN)
 
 
 # --------------------------------------------------------------------------- non-ASCII class names

@@ -7,7 +7,6 @@ confusion matrix and worst mistakes, the first its augmented samples; every scal
 sits on the global-step axis; the HParams tab has the config; and a run resumed
 from an older epoch_NNN.pt leaves no point of the abandoned branch past its step.
 """
-import json
 import shutil
 import sys
 
@@ -17,6 +16,7 @@ import torch
 
 from conftest import run_entry
 from utils import figures
+from utils.run_dir import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,6 @@ def accumulate(run_dir):
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     acc.Reload()
     return acc
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_figures_draw_rgb_pictures():
@@ -56,7 +52,7 @@ def test_the_per_epoch_pictures_need_no_matplotlib(monkeypatch):
 
 def test_every_epoch_has_its_pictures_and_the_first_its_samples(trained_run):
     acc = accumulate(trained_run["run_dir"])
-    ends = [row["step"] for row in metrics(trained_run["run_dir"])]
+    ends = [row["step"] for row in read_metrics(trained_run["run_dir"])]
     assert len(ends) == 3
     assert [e.step for e in acc.Images("val/confusion_matrix")] == ends
     assert [e.step for e in acc.Images("val/worst_mistakes")] == ends
@@ -66,7 +62,7 @@ def test_every_epoch_has_its_pictures_and_the_first_its_samples(trained_run):
 def test_every_number_of_metrics_jsonl_is_a_scalar_on_the_global_step_axis(trained_run):
     run_dir = trained_run["run_dir"]
     acc = accumulate(run_dir)
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     tags = set(acc.Tags()["scalars"])
     ends = [row["step"] for row in rows]
     for key, tag in (("val_acc", "val/acc"), ("train_loss", "train/loss"), ("val_macro_f1", "val/macro_f1"),
@@ -99,7 +95,7 @@ def test_resume_from_an_older_epoch_leaves_no_point_of_the_abandoned_branch(trai
     points of epochs 2 and 3 are gone, epoch 1's stay, and no step appears twice."""
     run_dir = tmp_path / "run"
     shutil.copytree(trained_run["run_dir"], run_dir)
-    first = metrics(run_dir)
+    first = read_metrics(run_dir)
     proc = run_entry("train.py", *trained_run["base"], "--output-dir", run_dir, "train.epochs=2",
                      "--resume", run_dir / "checkpoints" / "epoch_001.pt")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

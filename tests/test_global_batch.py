@@ -117,7 +117,7 @@ def test_elastic_restart_from_2_processes_to_1_keeps_the_global_batch(runs, plai
     resumed, single = model_tensors(tmp_path / "elastic"), model_tensors(runs["train.py"][0])
     for name, w in single.items():
         assert rel_err(resumed[name], w) <= 1e-5, name
-    lines = [x for x in out.splitlines() if "train.global_batch" in x]
+    lines = [x for x in out.splitlines() if x.startswith("note:") and "train.global_batch" in x]
     assert lines == [f"note: train.global_batch={N} kept: 2 -> 1 process(es), accumulation 2 -> 4 batches of "
                      f"{B} per step"], out[-3000:]
     assert f"1 process(es) on cpu, lr 0.05, amp off, 4 batches per step, global batch {N}" in out

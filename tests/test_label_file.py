@@ -17,6 +17,7 @@ import data
 import train
 from utils.config import load_config
 from utils.errors import UserError
+from utils.run_dir import read_metrics
 
 
 def split_of(root, **kw):
@@ -115,13 +116,9 @@ def runs(images):
     return out
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_label_file_run_equals_folder_run(images, runs):
     """A label file listing the folder split gives the class-folder run's numbers, and the same class_indices.json."""
-    last = [{k: metrics(runs[name])[-1][k] for k in ("val_acc", "val_loss", "train_loss")}
+    last = [{k: read_metrics(runs[name])[-1][k] for k in ("val_acc", "val_loss", "train_loss")}
             for name in ("folders", "file")]
     assert last[0] == last[1]
     for name in ("folders", "file"):
@@ -137,7 +134,7 @@ def test_eval_only_on_test_rows(images, runs):
     result = json.loads((out / "eval.json").read_text())
     assert result["split"] == "test" and result["val_count"] == 15
     assert [sum(row) for row in result["val_confusion"]] == [3] * 5
-    assert result["val_acc"] == metrics(runs["file"])[-1]["val_acc"]  # the val images, each thrice
+    assert result["val_acc"] == read_metrics(runs["file"])[-1]["val_acc"]  # the val images, each thrice
 
 
 # --------------------------------------------------------------------------- bad label files

@@ -33,6 +33,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from utils import run_dir as run_files  # noqa: E402
 from utils import run_record  # noqa: E402
 from utils.errors import RUNTIME_EXIT, USAGE_EXIT, UserError  # noqa: E402
 from utils.jobs import Job, run_jobs  # noqa: E402
@@ -91,7 +92,7 @@ def check(args):
 def finished(run_dir):
     """(finished, the last epoch's metrics or None, a line on why not). Finished: metrics.jsonl has a
     "done" event, or its last epoch is the run's train.epochs (config.yaml, written at the start)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / run_files.METRICS
     if not path.exists():
         return False, None, f"no metrics.jsonl in {run_dir}: no epoch finished"
     lines = []
@@ -105,7 +106,7 @@ def finished(run_dir):
     if any(m.get("event") == "done" for m in lines):
         return True, last, None
     try:
-        planned = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())["train"]["epochs"]
+        planned = yaml.safe_load((Path(run_dir) / run_files.CONFIG).read_text())["train"]["epochs"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         planned = None
     done = last is not None and planned is not None and last["epoch"] >= planned

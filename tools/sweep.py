@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils.cli import ArgumentParser, cli_entry  # noqa: E402
 from utils.config import CLASSIC_FLAGS, _load_yaml, build_arg_parser, load_config, schema_only  # noqa: E402
+from utils import run_dir as run_files  # noqa: E402
 from utils import run_record  # noqa: E402
 from utils.errors import RUNTIME_EXIT, UserError  # noqa: E402
 from utils.jobs import Slots, forwarding_signals, run_job, slot_devices, stopping  # noqa: E402
@@ -419,7 +420,7 @@ class Sweep:
 
 def epoch_values(run_dir, metric, on_missing):
     """[(epoch, value)] of the run's metrics.jsonl epoch lines (a line still being written is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / run_files.METRICS
     if not path.exists():
         return []
     out = []

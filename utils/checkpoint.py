@@ -37,6 +37,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from utils import run_dir as run_files
 from utils.distributed_utils import any_rank, broadcast_object, gather_objects
 from utils.errors import RUNTIME_EXIT, UserError
 from utils.fsdp import full_state_dict, is_sharded, load_full_state_dict, load_sharded, remove_sharded, save_sharded
@@ -225,12 +226,12 @@ def save_checkpoint(state, ckpt_dir, is_best, keep_last=0):
     """Write last.pt (and best.pt, epoch_NNN.pt); a failed write stops the run, old files intact."""
     ckpt_dir = Path(ckpt_dir)
     try:
-        last = ckpt_dir / "last.pt"
+        last = ckpt_dir / run_files.LAST
         atomic_save(state, last)
         if is_best:
-            atomic_link(last, ckpt_dir / "best.pt")
+            atomic_link(last, ckpt_dir / run_files.BEST)
         if keep_last > 0:
-            atomic_link(last, ckpt_dir / f"epoch_{state['epoch']:03d}.pt")
+            atomic_link(last, run_files.epoch_checkpoint(ckpt_dir, state["epoch"]))
             for old in sorted(ckpt_dir.glob("epoch_*.pt"))[:-keep_last]:
                 old.unlink()
     except OSError as e:
@@ -245,7 +246,7 @@ def find_resume_path(resume, run_dir, restarted=False):
     `restarted`: torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT > 0);
     the newest save of this run directory wins over whatever --resume said.
     """
-    last = Path(run_dir) / "checkpoints" / "last.pt"
+    last = run_files.last(run_dir)
     if restarted and last.is_file():
         return last
     if resume is None:

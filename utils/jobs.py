@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from utils import run_dir as run_files
+
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 _live = set()              # the Popen of every running job, for the signal forwarding
 _lock = threading.Lock()
@@ -91,7 +93,7 @@ def job_argv(command, run_dir, overrides):
     argv += ["--output-dir", str(run_dir)]
     # A run killed before its first checkpoint leaves checkpoints/ or metrics.jsonl, which only
     # --resume auto may continue (it starts afresh when there is no last.pt).
-    if (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").exists():
+    if run_files.holds_run(run_dir):
         argv += ["--resume", "auto"]
     return argv + [str(o) for o in overrides]
 
@@ -161,7 +163,7 @@ def run_job(command, run_dir, overrides, slot=None, gpus_per_job=None, log=None,
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     last = error = None
-    with open(run_dir / "job.log", "a", encoding="utf-8") as out:
+    with open(run_dir / run_files.JOB_LOG, "a", encoding="utf-8") as out:
         out.write("$ " + " ".join(argv) + "\n")
         out.flush()
         # Its own session: a Ctrl-C reaches it once, forwarded (below), not also from the terminal.

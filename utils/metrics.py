@@ -9,7 +9,9 @@ import torch
 
 def classification_report(confusion):
     """Per-class precision, recall and F1, macro-F1 and the matrix itself from a confusion
-    matrix (rows true, columns predicted); 0 where a class was never predicted or never present."""
+    matrix (rows true, columns predicted); 0 where a class was never predicted or never present.
+    Macro-F1 is the mean over the classes present in val or predicted, as scikit-learn's and
+    torchmetrics' are: a class the val split lacks and the model never says does not count as 0."""
     confusion = confusion.double()
     tp = confusion.diag()
     predicted, actual = confusion.sum(dim=0), confusion.sum(dim=1)
@@ -18,7 +20,18 @@ def classification_report(confusion):
     both = precision + recall
     f1 = torch.where(both > 0, 2 * precision * recall / both.clamp(min=1e-12), torch.zeros_like(tp))
     return {"val_precision": precision.tolist(), "val_recall": recall.tolist(), "val_f1": f1.tolist(),
-            "val_macro_f1": f1.mean().item(), "val_confusion": confusion.long().tolist()}
+            "val_macro_f1": f1[(predicted > 0) | (actual > 0)].mean().nan_to_num(0.0).item(),
+            "val_confusion": confusion.long().tolist()}
+
+
+def top_k_hits(logits, labels, k):
+    """Per image, whether its class is among the k highest logits. Ties are broken as top-1's argmax breaks
+    them, the lower class index first, so a top-1 hit is always a top-k hit (logits.topk leaves the order
+    of tied values unspecified)."""
+    true = logits.gather(1, labels[:, None])
+    index = torch.arange(logits.shape[1], device=logits.device)
+    ahead = (logits > true) | ((logits == true) & (index[None, :] < labels[:, None]))
+    return ahead.sum(dim=1) < k
 
 
 def _ranked(probs, targets):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from utils import run_dir as run_files
 from utils.config import flatten, save_config
 from utils.distributed_utils import broadcast_object
 from utils.errors import UserError
@@ -43,7 +44,7 @@ def check_run_dir(run_dir, resuming):
     """Never write over an earlier run without --resume; fail before any training."""
     if resuming:
         return
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+    if run_files.holds_run(run_dir):
         raise UserError(f"run directory '{run_dir}' already holds a run; continue it with "
                         "--resume auto, or choose another --output-dir")
 
@@ -78,7 +79,7 @@ class RunLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics_path = self.run_dir / run_files.METRICS
         self._truncate_metrics(start_epoch)
         from torch.utils.tensorboard import SummaryWriter
         # purge_step hides points a killed or abandoned run logged past the checkpoint's step
@@ -109,7 +110,7 @@ class RunLogger:
 
     def write_config(self, cfg):
         if self.enabled:
-            save_config(cfg, self.run_dir / "config.yaml")
+            save_config(cfg, self.run_dir / run_files.CONFIG)
 
     def scalar(self, tag, value, global_step):
         if self.enabled:

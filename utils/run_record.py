@@ -23,7 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-FILE = "run_record.json"
+from utils.run_dir import RECORD
+
+FILE = RECORD
 # Versions worth comparing across machines; a package that is not installed is left out.
 PACKAGES = ("torch", "torchvision", "numpy", "pillow", "omegaconf", "timm", "onnx", "onnxruntime", "tensorboard")
 # What two runs of one experiment (k folds, sweep trials) should share; their data and commands differ by design.
