@@ -19,10 +19,14 @@ an unknown class or a model of no known family is one error line.
 """
 import io
 import json
+import subprocess
+import sys
 from collections import OrderedDict
 
 import numpy as np
+import pytest
 import torch
+import torch.nn.functional as F
 import torchvision
 from PIL import Image
 from torch import nn
@@ -31,7 +35,7 @@ import model as model_py
 import predict
 import train
 from _resume_utils import assert_same_weights, run_args, run_main, single_thread
-from conftest import make_image_folder
+from conftest import REPO, make_image_folder
 from test_figures import accumulate
 from utils.cam import Explainer, find_target, to_map
 from utils.errors import UserError
@@ -179,3 +183,94 @@ def test_a_multi_label_model_gets_one_overlay_per_predicted_label(tmp_path, monk
     predicted = sum(len(labels) for _, labels, _ in rows)
     assert predicted > 0 and len(list((tmp_path / "cam").iterdir())) == predicted
     assert f"{predicted} Grad-CAM overlay(s)" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- against a reference
+
+# Each family's target layer (docs/after-training.md's table) and its output's layout, written here by
+# hand: "nchw" a map, "nhwc" channels last, "tokens" (N, 1 + h*w, D) with one class token first.
+FAMILIES = {
+    "resnet18": ("layer4", "nchw"), "regnet_y_400mf": ("trunk_output", "nchw"),
+    "densenet121": ("features", "nchw"), "vgg11_bn": ("features", "nchw"), "alexnet": ("features", "nchw"),
+    "squeezenet1_1": ("features", "nchw"), "mobilenet_v2": ("features", "nchw"),
+    "mobilenet_v3_small": ("features", "nchw"), "mnasnet0_5": ("layers", "nchw"),
+    "shufflenet_v2_x0_5": ("conv5", "nchw"), "efficientnet_b0": ("features", "nchw"),
+    "convnext_tiny": ("features", "nchw"), "googlenet": ("inception5b", "nchw"),
+    "inception_v3": ("Mixed_7c", "nchw"), "vit_b_16": ("encoder.layers.encoder_layer_11.ln_1", "tokens"),
+    "swin_t": ("norm", "nhwc"), "maxvit_t": ("blocks.3", "nchw"),
+    "timm/vit_tiny_patch16_224": ("blocks.11.norm1", "tokens"),
+    "timm/swin_tiny_patch4_window7_224": ("layers.3", "nhwc"),
+    "timm/convnext_atto": ("stages.3", "nchw"), "timm/resnet18": ("layer4", "nchw"),
+    "timm/efficientnet_b0": ("blocks.6", "nchw"),
+}
+SIZE = {"maxvit_t": 224, "timm/swin_tiny_patch4_window7_224": 224}  # the others at 96 px
+
+
+def reference_cam(net, images, classes, layer, layout):
+    """Grad-CAM as pytorch-grad-cam computes it, written out: a forward hook keeps a copy of the layer's
+    output and a tensor hook its gradient (the gradient of the value the layer returned, even where an
+    in-place op changes it later); the weights are the gradient's mean over the grid; relu, resized to
+    the image, each map scaled to [0, 1] by its own range (0 where it is zero everywhere)."""
+    kept = {}
+
+    def hook(module, args, out):
+        kept["a"] = out.detach().clone()
+        out.register_hook(lambda g: kept.__setitem__("g", g.detach().clone()))
+
+    handle = net.get_submodule(layer).register_forward_hook(hook)
+    try:
+        logits = net(images.clone().requires_grad_(True))
+        logits[torch.arange(len(classes)), torch.tensor(classes)].sum().backward()
+    finally:
+        handle.remove()
+    a, g = kept["a"], kept["g"]
+    if layout == "nhwc":
+        a, g = a.permute(0, 3, 1, 2), g.permute(0, 3, 1, 2)
+    elif layout == "tokens":
+        side = int((a.shape[1] - 1) ** 0.5)
+        a, g = (t[:, 1:].reshape(len(t), side, side, -1).permute(0, 3, 1, 2) for t in (a, g))
+    cam = (g.mean(dim=(2, 3), keepdim=True) * a).sum(1, keepdim=True).relu()
+    cam = F.interpolate(cam, size=images.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
+    low, high = cam.amin(dim=(1, 2), keepdim=True), cam.amax(dim=(1, 2), keepdim=True)
+    return torch.where(high > low, (cam - low) / (high - low).clamp_min(1e-30), (cam > 0).float())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_maps_equal_a_plain_hook_reference_on_every_family(name):
+    """Each family of the table and timm's ViT, Swin, ConvNeXt, ResNet and EfficientNet (random weights,
+    eval mode): find_target picks the documented layer, and Explainer's maps equal reference_cam's, which
+    reads each layout by hand. A map taken after DenseNet's in-place ReLU, Swin's channels-last maps read
+    as channels-first, or timm's ViT at its block output (where every map is zero) all differ."""
+    if name.startswith("timm/"):
+        pytest.importorskip("timm")
+    size = SIZE.get(name, 96)
+    with single_thread():
+        torch.manual_seed(0)
+        net = model_py.create_model(name, num_classes=5, img_size=size).eval()
+        for m in net.modules():  # torchvision's ViT starts its head at 0: every logit the same, every map zero
+            if isinstance(m, nn.Linear) and not m.weight.any():
+                nn.init.normal_(m.weight, std=0.02)
+            if name == "googlenet" and isinstance(m, nn.Conv2d):  # its std-0.01 start fades to ~1e-11 by inception5b
+                nn.init.kaiming_normal_(m.weight)
+        layer, layout = FAMILIES[name]
+        assert find_target(net)[0] == layer
+        images = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+        pairs = [(i, c) for i in range(2) for c in range(5)]  # every class: random weights leave some maps zero
+        got = Explainer(net, None).maps(images, pairs)
+        want = reference_cam(net, images[[i for i, _ in pairs]], [c for _, c in pairs], layer, layout)
+    assert (want.flatten(1).amax(1) > 0).sum() >= 2, "the reference maps are mostly zero: nothing to compare"
+    assert torch.allclose(got, want, atol=2e-3), (got - want).abs().max()
+
+
+def test_a_map_is_scaled_by_its_own_range_however_small():
+    """A map whose whole range is 1e-12 is drawn as brightly as one of range 1 (no absolute floor); a map
+    that is zero everywhere stays zero and is said once on stderr, in a process of its own."""
+    from utils.cam import scaled
+    cam = torch.rand(1, 8, 8)
+    assert torch.allclose(scaled(cam * 1e-12, "x"), scaled(cam, "x"), atol=1e-5)
+    code = ("import torch; from utils.cam import scaled; "
+            "print(scaled(torch.zeros(2, 4, 4), 'layer4').abs().sum().item()); scaled(torch.zeros(1, 4, 4), 'layer4')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "0.0", r.stderr
+    assert r.stderr.count("warning: Grad-CAM: a map at layer layer4 is zero everywhere") == 1, r.stderr
