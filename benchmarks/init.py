@@ -2,9 +2,11 @@
 
     python benchmarks/init.py                 # the full table (3 seeds; ~15 min on 2 CPU cores)
     python benchmarks/init.py --seeds 5 --epochs 6
+    python benchmarks/init.py --model resnet34        # the template's default model
     python benchmarks/init.py --quick         # tiny: 1 seed, 1 epoch, a few images (a smoke test)
     python benchmarks/init.py --tasks "digit pairs" --starts scratch --epochs 15
     python benchmarks/init.py --from-json runs/init/init.json     # the table of a finished run again
+    python benchmarks/init.py --recipes --seeds 2 --out-dir runs/init_recipes   # the shipped demo recipes
 
 Three data sets, each trained from scratch and from --weights:
   digits        scikit-learn's load_digits (1,797 real 8x8 scans of handwritten
@@ -22,7 +24,7 @@ fine-tune itself the setting changes nothing (only the head is initialised,
 and zero_init_residual does not touch it), so these rows measure the setting
 through the checkpoint's own training, as a user's earlier run would.
 
-The recipe (the same for every row): resnet18, --epochs epochs of batch 32,
+The recipe (the same for every row): --model (resnet18), --epochs epochs of batch 32,
 SGD lr 0.05 momentum 0.9 with a cosine to lr * 0.01, half an epoch of warm-up,
 no figures. The runs are interleaved, true then false for each seed, so a
 shared machine's drifting load falls on both settings alike. Each run is a
@@ -31,6 +33,13 @@ process of its own (`python train.py ... model.zero_init_residual=true`), with
 2 threads per process spin against each other). The final metric is the last
 epoch's val_acc (top-1; single-label) or val_map (mAP; multi-label) from
 metrics.jsonl. Results: OUT/init.json and OUT/init.md; the table is printed last.
+
+--recipes measures the runs the README makes first instead: the shipped demo
+recipes exactly as a newcomer runs them (`train.py --config configs/demo.yaml`
+and `--config configs/demo_multilabel.yaml`, the default model, their own
+epochs, image size and lr, on demo/flowers.py's and demo/meadow.py's sets),
+with only the setting and the seed changed; --epochs, --model and
+--batch-size do not apply.
 """
 import argparse
 import csv
@@ -46,9 +55,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repository's modules: this file runs as a script
+from utils import run_dir as run_files  # noqa: E402
 IMG_SIZE, VAL_RESIZE = 32, 36
 SETTINGS = (True, False)
 TASKS = ("digits", "digit pairs", "demo")
+RECIPES = {"demo recipe": "configs/demo.yaml", "multi-label demo recipe": "configs/demo_multilabel.yaml"}
 # The checkpoint each task starts from in its --weights rows: another task's, of the same architecture.
 WEIGHTS_FROM = {"digits": "demo", "digit pairs": "demo", "demo": "digits"}
 
@@ -58,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="1 seed, 1 epoch, a few images: checks the tool runs")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--model", default="resnet18", help="a ResNet-family model.name; default resnet18")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each train.py; default 1")
     p.add_argument("--pairs", type=int, default=1500, help="digit-pair images (80%% train); default 1500")
@@ -68,6 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--starts", default="scratch,weights", help="comma list of: scratch, weights; default both")
     p.add_argument("--out-dir", default="runs/init")
     p.add_argument("--from-json", metavar="PATH", help="print the table of a saved init.json; no training")
+    p.add_argument("--recipes", action="store_true", help="the shipped demo recipes as they are, from scratch")
     args = p.parse_args(argv)
     args.tasks, args.starts = args.tasks.split(","), args.starts.split(",")
     if not set(args.tasks) <= set(TASKS) or not set(args.starts) <= {"scratch", "weights"}:
@@ -75,6 +89,8 @@ def parse_args(argv=None):
     if args.quick:
         args.seeds, args.epochs, args.batch_size = 1, 1, 8
         args.pairs, args.demo_per_class, args.digits_limit = 40, 6, 100
+    if args.recipes:
+        args.tasks, args.starts = list(RECIPES), ["scratch"]
     return args
 
 
@@ -159,6 +175,13 @@ def make_demo(root, per_class):
 
 def make_sets(args):
     base = Path(args.data) / ("quick" if args.quick else "full")
+    if args.recipes:  # the README's own sets, as demo/flowers.py and demo/meadow.py write them
+        from demo import flowers, meadow
+        pictures = base / "recipe_meadow"
+        if not (pictures / "labels.csv").is_file():
+            meadow.generate(pictures, images=30 if args.quick else 600)
+        return {"demo recipe": flowers.ensure(base / "recipe_flowers", 6 if args.quick else 100),
+                "multi-label demo recipe": pictures}
     return {"digits": make_digits(base / "digits", args.digits_limit),
             "digit pairs": make_pairs(base / "digit_pairs", args.pairs, args.digits_limit),
             "demo": make_demo(base / f"demo_{args.demo_per_class}", args.demo_per_class)}
@@ -167,9 +190,16 @@ def make_sets(args):
 # --------------------------------------------------------------------------- one run
 
 def command(args, task, root, seed, zero_init, out, weights=None):
+    if task in RECIPES:  # the recipe as shipped: only the setting, the seed and where things go differ
+        cmd = [sys.executable, str(REPO / "train.py"), "--config", RECIPES[task], "--device", "cpu",
+               "--output-dir", str(out), f"data.path={root}", f"model.zero_init_residual={str(zero_init).lower()}",
+               f"train.seed={seed}", "train.figures=false", "data.num_workers=0"]
+        if task == "multi-label demo recipe":
+            cmd.append(f"data.labels={root / 'labels.csv'}")
+        return cmd + (["--epochs", "1"] if args.quick else [])
     cmd = [sys.executable, str(REPO / "train.py"), "--data-path", str(root), "--device", "cpu",
            "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", "0.05", "--lrf", "0.01",
-           "--output-dir", str(out), "model.name=resnet18", f"model.zero_init_residual={str(zero_init).lower()}",
+           "--output-dir", str(out), f"model.name={args.model}", f"model.zero_init_residual={str(zero_init).lower()}",
            f"data.img_size={IMG_SIZE}", f"data.val_resize={VAL_RESIZE}", "data.min_crop_scale=0.35",
            "data.num_workers=0", "optim.warmup_epochs=0.5", f"train.seed={seed}", "train.figures=false"]
     if task == "digit pairs":
@@ -189,7 +219,7 @@ def train(cmd, log, threads):
     if done.returncode:
         raise SystemExit(f"error: train.py exited {done.returncode}; see {log}")
     out = Path(cmd[cmd.index("--output-dir") + 1])
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    last = run_files.read_metrics(out)[-1]
     return last["val_map"] if "val_map" in last else last["val_acc"], seconds
 
 
@@ -207,7 +237,7 @@ def measure(args, sets, out_dir):
             out = out_dir / f"pretrain-{task.replace(' ', '_')}-{str(z).lower()}"
             shutil.rmtree(out, ignore_errors=True)
             metric, seconds = train(command(args, task, sets[task], 0, z, out), out.with_suffix(".log"), args.threads)
-            res["checkpoints"][f"{task}/{z}"] = {"path": str(out / "checkpoints" / "best.pt"), "metric": metric}
+            res["checkpoints"][f"{task}/{z}"] = {"path": str(run_files.best(out)), "metric": metric}
             print(f"checkpoint {task} zero_init_residual={z}: metric {metric:.3f} ({seconds:.0f} s)", flush=True)
     for task, start in rows(res["meta"]):
         for seed in range(args.seeds):
@@ -234,12 +264,13 @@ def describe(args):
     import torchvision
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "start": time.time(),
             "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
-            "cpu_count": os.cpu_count(), "threads": args.threads, "epochs": args.epochs,
+            "cpu_count": os.cpu_count(), "threads": args.threads, "epochs": args.epochs, "model": args.model,
             "batch_size": args.batch_size, "seeds": args.seeds, "tasks": args.tasks, "starts": args.starts,
-            "command": " ".join([Path(sys.executable).name, *sys.argv])}
+            "recipes": args.recipes, "command": " ".join([Path(sys.executable).name, *sys.argv])}
 
 
-METRIC = {"digits": "top-1", "digit pairs": "mAP", "demo": "top-1"}
+METRIC = {"digits": "top-1", "digit pairs": "mAP", "demo": "top-1", "demo recipe": "top-1",
+          "multi-label demo recipe": "mAP"}
 
 
 def table(res):
@@ -261,10 +292,17 @@ def table(res):
         where = "scratch" if start == "scratch" else f"--weights ({WEIGHTS_FROM[task]})"
         lines.append(f"| {task} ({METRIC[task]}) | {where} | {cells[0]} | {cells[1]} | {diff:+.3f} |")
     m = res["meta"]
+    if m.get("recipes"):
+        lines.append(f"\nbetter or equal in {wins[True]} rows with true, {wins[False]} with false. Mean [min, max] "
+                     f"over {m['seeds']} seeds of the last epoch's val metric; the recipes as shipped (the default "
+                     f"model, their epochs), CPU ({m['cpu_count']} cores, {m['threads']} thread per run), torch "
+                     f"{m['torch']}, torchvision {m['torchvision']}"
+                     + (f"; {m['minutes']:.1f} min" if "minutes" in m else "") + f"; `{m['command']}`")
+        return "\n".join(lines) + "\n"
     # The rule: the setting better or equal in more rows; a tie is torchvision's own default, false.
     lines.append(f"\nbetter or equal in {wins[True]} rows with true, {wins[False]} with false: by the rule, "
                  f"model.zero_init_residual={str(wins[True] > wins[False]).lower()}. Mean [min, max] over "
-                 f"{m['seeds']} seeds of the last epoch's val metric; resnet18, {m['epochs']} epochs of batch "
+                 f"{m['seeds']} seeds of the last epoch's val metric; {m.get('model', 'resnet18')}, {m['epochs']} epochs of batch "
                  f"{m['batch_size']}, {IMG_SIZE} px, CPU ({m['cpu_count']} cores, {m['threads']} thread per run), "
                  f"torch {m['torch']}, torchvision {m['torchvision']}"
                  + (f"; {m['minutes']:.1f} min; load average at the end "
