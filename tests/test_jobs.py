@@ -7,9 +7,13 @@ started; the real training runs through these functions in tests/test_kfold.py.
 """
 import json
 import os
+import subprocess
 import sys
 import time
 
+import pytest
+
+from conftest import REPO
 from utils.jobs import Job, job_argv, job_threads, run_job, run_jobs, slot_devices
 
 # Prints {"argv": ..., "cuda": CUDA_VISIBLE_DEVICES, "omp": OMP_NUM_THREADS, "t": its start} as one
@@ -85,3 +89,36 @@ def test_jobs_side_by_side_split_the_cores_unless_omp_num_threads_is_yours(tmp_p
     assert job_threads(["torchrun", "--nproc_per_node=gpu", "x.py"], 2) is None  # torchrun's own rule
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert [echoed(r)["omp"] for r in run_jobs(jobs, parallel=2)] == ["3", "3"]
+
+
+# A real `python tools/<tool>.py ...` process on a machine that reports two GPUs (torch.cuda.device_count
+# patched before the tool runs; this machine has none): the slot check runs before any job starts.
+TWO_GPUS = ("import runpy, sys, torch; torch.cuda.device_count = lambda: 2; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("tool, argv, line", [
+    ("kfold", ["--folds", "3", "--parallel", "3", "--dir", "{tmp}/cv"],
+     "error: --parallel 3 x 1 GPU(s) per fold needs 3 GPUs; this machine has 2: lower --parallel (or --gpus-per-job)"),
+    ("kfold", ["--folds", "4", "--parallel", "2", "--gpus-per-job", "2", "--dir", "{tmp}/cv"],
+     "error: --parallel 2 x 2 GPU(s) per fold needs 4 GPUs; this machine has 2: lower --parallel (or --gpus-per-job)"),
+    ("sweep", ["{tmp}/space.yaml", "--trials", "4", "--n-jobs", "3", "--dir", "{tmp}/sw"],
+     "error: --n-jobs 3 x 1 GPU(s) per trial needs 3 GPUs; this machine has 2: lower --n-jobs (or --gpus-per-job)"),
+])
+def test_more_parallel_jobs_than_gpus_is_one_error_line_before_any_job(tmp_path, tool, argv, line):
+    (tmp_path / "space.yaml").write_text("optim.lr: {low: 0.001, high: 0.1, log: true}\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    r = subprocess.run([sys.executable, "-c", TWO_GPUS, str(REPO / "tools" / f"{tool}.py"), *argv, "--",
+                        sys.executable, "-c", "raise SystemExit('a job started')"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [line], r.stdout + r.stderr
+    assert not (tmp_path / "cv" / "fold_0").exists() and not (tmp_path / "sw").exists()
+
+
+def test_as_many_parallel_folds_as_gpus_pass_the_check(tmp_path):
+    """--parallel 8 over 2 folds runs 2 at once: 2 GPUs are enough."""
+    r = subprocess.run([sys.executable, "-c", TWO_GPUS, str(REPO / "tools" / "kfold.py"), "--folds", "2",
+                        "--parallel", "8", "--dir", str(tmp_path / "cv"), "--", sys.executable, "-c", ECHO],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert "GPU(s) per fold needs" not in r.stderr, r.stderr
+    assert (tmp_path / "cv" / "fold_1" / "job.log").is_file(), r.stdout + r.stderr

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils import run_dir as run_files  # noqa: E402
 from utils import run_record  # noqa: E402
 from utils.errors import RUNTIME_EXIT, USAGE_EXIT, UserError  # noqa: E402
-from utils.jobs import Job, run_jobs  # noqa: E402
+from utils.jobs import Job, check_slots, run_jobs  # noqa: E402
 
 # Final numbers worth a mean: validation, the best score and the training loss; not timings or counts.
 METRIC_PREFIXES = ("val_", "best_", "train_loss", "train_acc")
@@ -84,6 +84,8 @@ def check(args):
         raise UserError(f"--folds {args.folds}: k-fold needs K >= 2 folds")
     if args.parallel < 1:
         raise UserError(f"--parallel {args.parallel}: must be at least 1")
+    if args.parallel > 1:  # as many folds at once as there are GPUs for them, as sweep's --n-jobs
+        check_slots(min(args.parallel, args.folds), args.gpus_per_job or 1, "--parallel", "fold")
     own = [a for a in args.command if a.startswith(("data.folds=", "data.fold="))]
     if own:
         raise UserError(f"the command sets {own[0]}; tools/kfold.py sets data.folds and data.fold for each fold")

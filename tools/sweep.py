@@ -70,7 +70,7 @@ from utils.config import CLASSIC_FLAGS, _load_yaml, build_arg_parser, load_confi
 from utils import run_dir as run_files  # noqa: E402
 from utils import run_record  # noqa: E402
 from utils.errors import RUNTIME_EXIT, UserError  # noqa: E402
-from utils.jobs import Slots, forwarding_signals, run_job, slot_devices, stopping  # noqa: E402
+from utils.jobs import Slots, check_slots, forwarding_signals, run_job, slot_devices, stopping  # noqa: E402
 
 OWNER = f"{socket.gethostname()}:{os.getpid()}"  # which sweep process runs a trial: a dead one's trials are retried
 POLL_S = 0.1  # how often a running trial's metrics.jsonl is read
@@ -515,20 +515,6 @@ def _write(path, text):
     tmp.replace(path)
 
 
-def check_slots(n_jobs, per_job):
-    """Every slot's GPUs exist: a trial given a GPU that is not there would train on the CPU unnoticed.
-    A machine without CUDA has no slots to check (the trials share its CPUs)."""
-    import torch
-    try:  # within the caller's CUDA_VISIBLE_DEVICES, when it has one
-        slot_devices(n_jobs - 1, per_job)
-    except ValueError as e:
-        raise UserError(f"--n-jobs {n_jobs}: {e}") from None
-    count = torch.cuda.device_count()
-    if not os.environ.get("CUDA_VISIBLE_DEVICES") and 0 < count < n_jobs * per_job:
-        raise UserError(f"--n-jobs {n_jobs} x {per_job} GPU(s) per trial needs {n_jobs * per_job} GPUs; "
-                        f"this machine has {count}: lower --n-jobs (or --gpus-per-job)")
-
-
 # --------------------------------------------------------------------------- main
 
 @cli_entry
@@ -536,7 +522,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     space = read_space(args.space)
     if args.n_jobs > 1:
-        check_slots(args.n_jobs, args.gpus_per_job or 1)
+        check_slots(args.n_jobs, args.gpus_per_job or 1, "--n-jobs", "trial")
     args.dir.mkdir(parents=True, exist_ok=True)
     storage, shown, secrets = resolve_storage(args.storage, args.dir)
     import optuna

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from utils import run_dir as run_files
+from utils.errors import UserError
 
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 _live = set()              # the Popen of every running job, for the signal forwarding
@@ -111,6 +112,21 @@ def slot_devices(slot, gpus_per_job=None, visible=None):
                              f"but CUDA_VISIBLE_DEVICES={visible} holds {len(ids)}")
         return ",".join(ids[i] for i in wanted)
     return ",".join(map(str, wanted))
+
+
+def check_slots(jobs, per_job, flag, what):
+    """Every slot's GPUs exist, before any job starts: a job given a GPU that is not there would train on
+    the CPU unnoticed. `flag` (--n-jobs, --parallel) and `what` (trial, fold) name them in the one error
+    line. A machine without CUDA has no slots to check (the jobs share its CPUs)."""
+    import torch
+    try:  # within the caller's CUDA_VISIBLE_DEVICES, when it has one
+        slot_devices(jobs - 1, per_job)
+    except ValueError as e:
+        raise UserError(f"{flag} {jobs}: {e}") from None
+    count = torch.cuda.device_count()
+    if not os.environ.get("CUDA_VISIBLE_DEVICES") and 0 < count < jobs * per_job:
+        raise UserError(f"{flag} {jobs} x {per_job} GPU(s) per {what} needs {jobs * per_job} GPUs; "
+                        f"this machine has {count}: lower {flag} (or --gpus-per-job)")
 
 
 def _death_signal():
