@@ -32,7 +32,7 @@ from utils import run_dir as run_files
 from utils.cam import find_target
 from utils.checkpoint import best_weights, label_task, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
-from utils.errors import UserError
+from utils.errors import OUT_OF_MEMORY, RUNTIME_EXIT, UserError, allocation
 from utils.fsdp import checkpoint_blocks
 
 # Your own model: name -> constructor called as constructor(num_classes=N), returning an
@@ -502,6 +502,10 @@ def _probe(model, name, img_size, device, channels=3):
     try:
         with torch.no_grad():
             model.eval()(torch.zeros(1, channels, img_size, img_size, device=device))
+    except OUT_OF_MEMORY as e:  # the model does not fit, which is not the size's fault
+        raise UserError(f"out of memory on {device} in the start-up forward of model.name={name} (one image of "
+                        f"{img_size} px, no gradients){allocation(e)}: a smaller model or data.img_size, or "
+                        "train_multi_gpu_fsdp.py, which shards the model over the GPUs", RUNTIME_EXIT, every_rank=True)
     except (RuntimeError, ValueError, AssertionError, IndexError) as e:
         raise UserError(f"model.name={name} does not run at data.img_size={img_size}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", every_rank=True)

@@ -41,7 +41,7 @@ from utils.cam import find_target, maps_for, overlay
 from utils.cli import ArgumentParser, cli_entry
 from utils.decoding import MODES, BadImage, load_image
 from utils.distributed_utils import resolve_device
-from utils.errors import RUNTIME_EXIT, UserError
+from utils.errors import OUT_OF_MEMORY, RUNTIME_EXIT, UserError, allocation
 from utils.figures import image_grid, save_png
 from utils.normalization import denormalize, mean_std, model_input, normalization_of
 
@@ -213,8 +213,12 @@ def main(argv=None):
 
     start = time.perf_counter()
     thresholds = model.thresholds if getattr(model, "multilabel", False) else None  # the checkpoint's own
-    rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
-                        int(data_cfg["max_image_pixels"]), mode=MODES[channels], thresholds=thresholds)
+    try:
+        rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
+                            int(data_cfg["max_image_pixels"]), mode=MODES[channels], thresholds=thresholds)
+    except OUT_OF_MEMORY as e:
+        raise UserError(f"out of memory on {device} at --batch-size {args.batch_size}{allocation(e)}: try "
+                        f"--batch-size {max(1, args.batch_size // 2)}", RUNTIME_EXIT) from e
     seconds = time.perf_counter() - start
     if not rows:
         raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", RUNTIME_EXIT)

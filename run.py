@@ -60,7 +60,15 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
     """Train for cfg.train.epochs, evaluating, logging and checkpointing after each epoch.
 
     `model` is what the script built: plain, DataParallel or DDP. Every rank calls fit; only rank 0 writes.
+    Out of device memory anywhere in it (the EMA copy, the restore, an epoch, --eval-only) is one line.
     """
+    try:
+        return _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name)
+    except OUT_OF_MEMORY as e:
+        raise out_of_memory(e, cfg, dist_info, script_name) from e
+
+
+def _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name):
     is_main = dist_info.rank == 0
     # torchrun --max-restarts=N re-runs this same command after a worker dies; a restarted
     # run continues from its run directory's last.pt (see utils/checkpoint.py).
@@ -114,8 +122,8 @@ def fit(cfg, model, train_loader, val_loader, classes, dist_info: DistInfo, scri
                 break
             metrics = _train_epoch(run, epoch)
         logger.info(done_lines(run_dir, run_state, dist_info))
-    except OUT_OF_MEMORY as e:
-        raise out_of_memory(e, cfg, dist_info, script_name) from e
+    except OUT_OF_MEMORY:
+        raise  # fit's one line
     except RuntimeError as e:  # train.deterministic met an op without a deterministic kernel: one line
         raise nondeterministic_op(e) or e
     finally:

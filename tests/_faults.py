@@ -11,6 +11,12 @@ kill:RANK:STEP  on the first attempt, rank RANK dies (SIGKILL) at its STEP-th st
 term:RANK:N     rank RANK alone gets a SIGTERM at its N-th evaluation batch (1-based), as from a
                 scheduler that signals one process.
 nospace:RANK:E  on rank RANK saving epoch E's checkpoint fails: the disk is full.
+oom:WHERE:N     out of device memory, as torch raises it, at the N-th (1-based) call of WHERE: forward
+                (a torchvision ResNet's forward without gradients: the start-up probe, evaluation,
+                predict.py), ema (the EMA copy of train.ema_decay) or restore (loading a checkpoint's
+                weights into the model).
+jpegoom:RANK:N  on rank RANK, nvJPEG's batched decode (data.gpu_decode=per_batch) runs out of device
+                memory from its N-th call on (0-based), as torch raises it.
 
 The fault is a monkeypatch made before the script runs, so the product code has
 no test hooks; everything else is the real script under the real launcher.
@@ -91,15 +97,64 @@ def inject_disk_full(rank, epoch):
     torch.save = save
 
 
+OOM_TEXT = ("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 139.8 GiB of which "
+            "1.02 GiB is free.")
+
+
+def _oom():
+    import torch
+    return getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)(OOM_TEXT)  # torch 2.4: the latter
+
+
+def inject_oom(where, n):
+    """The n-th call of `where` raises torch's out-of-memory error instead of running."""
+    import torch
+    if where == "forward":
+        import torchvision
+        owner, name = torchvision.models.ResNet, "_forward_impl"
+    elif where == "ema":
+        from utils import optim
+        owner, name = optim.WeightEMA, "__init__"
+    elif where == "restore":
+        owner, name = torch.nn.Module, "load_state_dict"
+    else:
+        sys.exit(f"unknown oom place {where!r}")
+    real, calls = getattr(owner, name), {"n": 0}
+
+    def fake(*args, **kwargs):
+        if where != "forward" or not torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise _oom()
+        return real(*args, **kwargs)
+
+    setattr(owner, name, fake)
+
+
+def inject_jpeg_oom(rank, n):
+    from utils import gpu_pipeline
+    real, calls = gpu_pipeline._decode_jpegs, {"n": 0}
+
+    def decode(parts, *args, **kwargs):
+        calls["n"] += 1
+        if int(os.environ.get("RANK", "0")) == rank and calls["n"] > n:
+            raise _oom()
+        return real(parts, *args, **kwargs)
+
+    gpu_pipeline._decode_jpegs = decode
+
+
 if __name__ == "__main__":
     fault, script, *args = sys.argv[1:]
     kind, *params = fault.split(":")
+    if kind == "oom":
+        params = [params[0], int(params[1])]
     faults = {"nan": inject_nan, "stop": inject_stop,
               "kill": lambda rank, step: inject_stop(rank, step, sig="SIGKILL"),
-              "term": inject_eval_signal, "nospace": inject_disk_full}
+              "term": inject_eval_signal, "nospace": inject_disk_full, "jpegoom": inject_jpeg_oom, "oom": inject_oom}
     if kind not in faults:
         sys.exit(f"unknown fault {fault!r}")
-    faults[kind](*map(int, params))
+    faults[kind](*(params if kind == "oom" else map(int, params)))
     if os.environ.get("FAULT_ERRORS"):
         import utils.cli
         from utils.errors import one_line

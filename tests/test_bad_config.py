@@ -22,7 +22,7 @@ import train
 import train_multi_gpu_ddp
 import train_multi_gpu_dp
 from bad_files import call_main, error_line, tree_hash
-from conftest import FAST_ARGS, REPO, free_port, make_image_folder
+from conftest import FAST_ARGS, REPO, free_port, make_image_folder, run_entry
 
 # FAST_ARGS with epochs and batch size as classic flags: a dotted override would win over
 # the --epochs / --batch-size a case passes after them.
@@ -268,3 +268,41 @@ def test_a_shared_error_is_printed_once_however_late_rank_0_is(tmp_path):
         out, err = proc.communicate(timeout=120)
         errors = [line for line in (out + err).splitlines() if line.startswith("error:")]
         assert proc.returncode != 0 and errors == [cases[name][3]], (name, out + err)
+
+
+OOM_DETAIL = "; tried to allocate 1.50 GiB with 1.02 GiB free"
+ADVICE = (": try --batch-size 2 with train.accum_steps=2 (the global batch stays 4), or "
+          "model.activation_checkpointing=true, or train_multi_gpu_fsdp.py, which shards the model over the GPUs")
+
+
+@pytest.mark.parametrize("fault, extra, line", [
+    ("oom:forward:1", [], "error: out of memory on cpu in the start-up forward of model.name=resnet18 (one image "
+     f"of 32 px, no gradients){OOM_DETAIL}: a smaller model or data.img_size, or train_multi_gpu_fsdp.py, which "
+     "shards the model over the GPUs"),
+    ("oom:ema:1", ["train.ema_decay=0.9"], f"error: out of memory on cpu (the only process) at --batch-size 4"
+     f"{OOM_DETAIL}{ADVICE}"),
+    ("oom:restore:1", ["--resume", "{run}/checkpoints/last.pt"], f"error: out of memory on cpu (the only "
+     f"process) at --batch-size 4{OOM_DETAIL}{ADVICE}"),
+    ("oom:forward:2", ["--eval-only", "--resume", "{run}/checkpoints/best.pt"], f"error: out of memory on cpu "
+     f"(the only process) at --batch-size 4{OOM_DETAIL}{ADVICE}"),
+])
+def test_out_of_memory_anywhere_in_a_run_is_the_one_line(earlier, tmp_path, fault, extra, line):
+    """torch's out-of-memory error (tests/_faults.py) in the start-up probe, the EMA copy, the restore of a
+    checkpoint or --eval-only's evaluation: one error line, exit 1, in a process of its own; the earlier
+    run's files stay as they were."""
+    before = tree_hash(earlier["run"])
+    extra = [a.replace("{run}", str(earlier["run"])) for a in extra]
+    proc = run_entry("tests/_faults.py", fault, "train.py", *ARGS, "--data-path", earlier["root"],
+                     "--output-dir", tmp_path / "run", *extra)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr[-3000:]
+    assert tree_hash(earlier["run"]) == before
+
+
+def test_out_of_memory_in_predict_is_one_line_naming_the_batch(earlier, tmp_path):
+    proc = run_entry("tests/_faults.py", "oom:forward:1", "predict.py", earlier["run"], earlier["root"] / "daisy",
+                     "--device", "cpu", "--batch-size", "8", "--out", tmp_path / "p.json")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: out of memory on cpu at --batch-size 8{OOM_DETAIL}: try --batch-size 4"], proc.stderr[-3000:]
+    assert not (tmp_path / "p.json").exists()

@@ -596,3 +596,20 @@ def test_cuda_per_batch_decoding_matches_cpu_decoding(tmp_path):
         assert (xg.cpu() - xc).abs().mean() < 0.05
     for (xg, _), (xc, _) in zip(val_gpu, val_cpu):
         assert (xg.cpu() - xc).abs().mean() < 0.05
+
+
+def test_nvjpeg_out_of_memory_is_one_warning_not_a_corrupt_image(tmp_path):
+    """train.py with data.gpu_decode=per_batch, nvJPEG out of device memory from its second batch on
+    (tests/_faults.py): one warning line says so and the run trains on, those batches decoded by PIL; no
+    image is called unreadable (the files are fine) and no batch is retried image by image."""
+    from utils.run_dir import read_metrics
+    root = make_image_folder(tmp_path / "f", per_class=4, size=(52, 40))
+    proc = run_entry("tests/_faults.py", "jpegoom:0:1", "train.py", *FAST_ARGS, "--data-path", root,
+                     "--output-dir", tmp_path / "run", "train.epochs=2", "data.pipeline=gpu",
+                     "data.gpu_decode=per_batch", "data.val_rate=0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "nvJPEG" in line]
+    assert len(said) == 1 and said[0].startswith("warning: nvJPEG ran out of cpu memory decoding 4 JPEG(s) "
+                                                 "(CUDA out of memory. Tried to allocate 1.50 GiB"), proc.stderr
+    assert "unreadable" not in proc.stderr, proc.stderr
+    assert len(read_metrics(tmp_path / "run")) == 2

@@ -13,7 +13,7 @@ import traceback
 
 
 from utils.distributed_utils import restart_store, cleanup
-from utils.errors import UserError, collective_timeout, one_line
+from utils.errors import OUT_OF_MEMORY, UserError, allocation, collective_timeout, one_line
 
 # How long a rank other than 0 waits for rank 0 to print an error they share; past it, it prints the
 # line itself (rank 0 hung or lost), late rather than never.
@@ -40,6 +40,11 @@ def cli_entry(main):
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        except OUT_OF_MEMORY as e:  # where no line of the script's own says more
+            if debug_enabled():
+                traceback.print_exc()
+            print_error(UserError(f"out of device memory{allocation(e)}", exit_code=1))
+            sys.exit(1)
         except RuntimeError as e:
             timeout = collective_timeout(e)
             if timeout is None:

@@ -76,15 +76,20 @@ def collective_timeout(e):
 OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError)
 
 
+def allocation(e):
+    """"; tried to allocate 2.00 GiB with 1.06 GiB free" from torch's out-of-memory message, or ""."""
+    text = str(e)
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    free = re.search(r"of which ([\d.]+ [KMGT]?i?B) is free", text)
+    return "".join([f"; tried to allocate {asked.group(1)}" if asked else "",
+                    f" with {free.group(1)} free" if asked and free else ""])
+
+
 def out_of_memory(e, cfg, dist_info, script_name):
     """Out of device memory in the loop as one line naming the batch size, the process and what to
     try, each only where it applies; torch's "Tried to allocate ... of which ... is free" kept."""
     batch, accum, world = cfg.train.batch_size, cfg.train.accum_steps, dist_info.world_size
-    text = str(e)
-    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
-    free = re.search(r"of which ([\d.]+ [KMGT]?i?B) is free", text)
-    detail = "".join([f"; tried to allocate {asked.group(1)}" if asked else "",
-                      f" with {free.group(1)} free" if asked and free else ""])
+    detail = allocation(e)
     where = f"rank {dist_info.rank} of {world}" if world > 1 else "the only process"
     tries = []
     fixed = cfg.train.global_batch  # when set, it derives the accumulation itself

@@ -10,6 +10,8 @@ import copy
 import io
 import math
 import os
+import re
+import sys
 import time
 import warnings
 
@@ -22,7 +24,7 @@ from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import functional as TF
 
-from utils.errors import UserError
+from utils.errors import OUT_OF_MEMORY, UserError
 from utils.normalization import normalization_of, normalize
 
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
@@ -36,6 +38,7 @@ def _steps(transform):
 
 # torchvision's ToTensor + Normalize, or data.py's uint8 steps + NormalizeOnDevice (subclasses count).
 _TO_TENSOR = (T.ToTensor, T.PILToTensor)
+_SAID = {"oom": False}  # the warnings said once per process
 
 
 def _ends_in_tensor_and_normalize(steps):
@@ -469,8 +472,12 @@ class JpegBatches:
         jpegs = [i for i, m in enumerate(meta) if m[0] == ENCODED]
         try:
             decoded = _decode_jpegs([parts[i] for i in jpegs], self.device, self.mode) if jpegs else []
-        except RuntimeError:
-            decoded = [self._decode_one(parts[i]) for i in jpegs]
+        except RuntimeError as e:
+            if _out_of_memory(e):  # not the files' fault: PIL decodes the whole batch, no retry per image
+                self._say_out_of_memory(len(jpegs), e)
+                decoded = [None] * len(jpegs)
+            else:
+                decoded = [self._decode_one(parts[i]) for i in jpegs]
         for i, img in zip(jpegs, decoded):
             images[i] = img
         for i, (kind, h, w, _, index) in enumerate(meta):
@@ -484,8 +491,26 @@ class JpegBatches:
     def _decode_one(self, part):
         try:
             return _decode_jpegs([part], self.device, self.mode)[0]
-        except RuntimeError:
+        except RuntimeError as e:
+            if _out_of_memory(e):
+                self._say_out_of_memory(1, e)
             return None
+
+    def _say_out_of_memory(self, count, e):
+        """Once per process (train and val loaders alike): the batch is decoded by PIL on the CPU instead
+        (slower, the same pixels). Should that run out of device memory too, the run stops with the loop's
+        one out-of-memory line."""
+        if not _SAID["oom"]:
+            _SAID["oom"] = True
+            print(f"warning: nvJPEG ran out of {self.device} memory decoding {count} JPEG(s) ({str(e).splitlines()[0]}); "
+                  "such batches are decoded by PIL on the CPU instead (slower): a smaller --batch-size "
+                  "avoids it; later ones are not reported", file=sys.stderr, flush=True)
+
+
+def _out_of_memory(e):
+    """An error of the decoder's that is the device's memory, not the file: torch's own, or nvJPEG's
+    allocator status (torchvision passes it on as a RuntimeError)."""
+    return isinstance(e, OUT_OF_MEMORY) or bool(re.search(r"out of memory|ALLOCATOR_FAILURE", str(e), re.I))
 
 
 def _decode_jpegs(parts, device, mode=ImageReadMode.RGB):
