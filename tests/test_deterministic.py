@@ -76,3 +76,19 @@ def test_an_op_without_a_deterministic_kernel_is_one_error_line(image_root, tmp_
     assert proc.stderr.strip().splitlines() == [
         "error: train.deterministic=true, and max_unpooling2d_forward_out has no deterministic kernel on this "
         "device; run with train.deterministic=false, or replace the op in the model"]
+
+
+@pytest.mark.parametrize("own, ok", [(":0:0", False), (":16:8", True)])
+def test_a_users_own_cublas_workspace_config_is_checked_and_named(image_root, tmp_path, own, ok):
+    """CUBLAS_WORKSPACE_CONFIG of the user's own: a value cuBLAS's deterministic kernels do not take is
+    one error line naming it, before any data is read; one they take trains."""
+    args = run_args(image_root, tmp_path / "run", "train.deterministic=true", epochs=1)
+    proc = run_entry("train.py", *args, env={"CUBLAS_WORKSPACE_CONFIG": own})
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: train.deterministic=true, and CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment: cuBLAS's "
+        "deterministic kernels need :4096:8 or :16:8; unset it or set one of them"]
+    assert not (tmp_path / "run").exists()

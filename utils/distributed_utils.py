@@ -85,7 +85,13 @@ def use_device(device, deterministic=False):
     run (torch.use_deterministic_algorithms, no cuDNN autotuning, a fixed cuBLAS workspace); false, for
     the fastest kernels (cudnn.benchmark: fixed input size)."""
     if deterministic:
-        # cuBLAS reads it when it makes its handle (the first matmul): before any CUDA work.
+        # cuBLAS reads it when it makes its handle (the first matmul): before any CUDA work. torch takes
+        # only these two values, and a user's own other one would stop the run at its first matmul.
+        own = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if own not in (None, ":4096:8", ":16:8"):
+            raise UserError(f"train.deterministic=true, and CUBLAS_WORKSPACE_CONFIG={own} in the environment: "
+                            "cuBLAS's deterministic kernels need :4096:8 or :16:8; unset it or set one of them",
+                            every_rank=True)  # torchrun gives every rank the same environment
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Set either way: a process that calls main() twice (the tests) must not keep the last run's mode.
     torch.use_deterministic_algorithms(deterministic)
