@@ -232,7 +232,7 @@ def save_checkpoint(state, ckpt_dir, is_best, keep_last=0):
             atomic_link(last, ckpt_dir / run_files.BEST)
         if keep_last > 0:
             atomic_link(last, run_files.epoch_checkpoint(ckpt_dir, state["epoch"]))
-            for old in sorted(ckpt_dir.glob("epoch_*.pt"))[:-keep_last]:
+            for old in run_files.epoch_checkpoints(ckpt_dir)[:-keep_last]:
                 old.unlink()
     except OSError as e:
         raise UserError(f"could not write checkpoint in '{ckpt_dir}': {e.strerror or e}; the previous "

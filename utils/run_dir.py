@@ -43,6 +43,11 @@ def epoch_checkpoint(ckpt_dir, epoch):
     return Path(ckpt_dir) / f"epoch_{epoch:03d}.pt"
 
 
+def epoch_checkpoints(ckpt_dir):
+    """The epoch_NNN.pt copies in `ckpt_dir`, oldest first."""
+    return sorted(Path(ckpt_dir).glob("epoch_*.pt"))
+
+
 def run_of(checkpoint):
     """The run directory of a checkpoint file: RUN for RUN/checkpoints/X.pt, else the file's folder."""
     checkpoint = Path(checkpoint)
