@@ -182,8 +182,8 @@ def test_a_missing_module_without_wheels_is_one_error_line(tmp_path):
 
 def test_setup_names_every_missing_module_before_any_step_in_the_planned_order(tmp_path):
     """Modules that only later steps import (matplotlib for the pictures and charts, pytest for the tests)
-    are named at setup, all at once; and the plan runs the FSDP memory tool, the FSDP training and the fp16
-    resume after the tests and before the benchmarks."""
+    are named at setup, all at once; and the plan runs the FSDP memory tool, the FSDP training, the fp16
+    resume and deterministic's bitwise check after the tests and before the timed steps, the compile last."""
     py = python_without(tmp_path, "matplotlib", "pytest")
     r = run_script(tmp_path, {"PYTHON": str(py), "WHEELS": ""}, timeout=60)
     assert r.returncode == 1, r.stdout[-3000:]
@@ -194,25 +194,82 @@ def test_setup_names_every_missing_module_before_any_step_in_the_planned_order(t
     plan = next(line for line in r.stdout.splitlines() if line.startswith("steps: ")).split()[1:]
     tests = [s for s in plan if s.startswith("test_")]
     assert tests and plan == ["setup", "data", *tests, "ddp_check", "fsdp_memory", "train_fsdp", "resume_fp16",
-                              "benchmark", "scaling", "deterministic", "benchmark_compile"], plan
+                              "deterministic", "benchmark", "scaling", "deterministic_cost",
+                              "benchmark_compile"], plan
 
 
-def test_the_rehearsal_runs_the_fsdp_training_and_the_fp16_resume(tmp_path):
-    """QUICK=1 on the CPU: train_multi_gpu_fsdp.py for 2 epochs over 2 gloo processes, and train.py's CPU
-    checkpoint resumed (on the CPU here, on CUDA with fp16 on a GPU): each step checks what its run wrote
-    and the summary says what was trained. pytest is missing and the test steps are not chosen: no error."""
+def test_the_rehearsal_runs_the_fsdp_training_the_fp16_resume_and_the_deterministic_check(tmp_path):
+    """QUICK=1 on the CPU: train_multi_gpu_fsdp.py for 2 epochs over 2 gloo processes with train.profile,
+    train.py's CPU checkpoint resumed (on the CPU here, on CUDA with fp16 on a GPU), and two deterministic
+    runs compared bit for bit: each step checks what its run wrote and the summary says what was trained.
+    pytest is missing and the test steps are not chosen: no error."""
     py = python_without(tmp_path, "pytest")
-    r = run_script(tmp_path, {"PYTHON": str(py), "QUICK": "1", "STEPS": "data train_fsdp resume_fp16"}, timeout=400)
+    r = run_script(tmp_path, {"PYTHON": str(py), "QUICK": "1", "STEPS": "data train_fsdp resume_fp16 deterministic"},
+                   timeout=500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     rows = summary_rows(tmp_path / "out")
-    assert list(rows) == ["data", "train_fsdp", "resume_fp16"], rows
+    assert list(rows) == ["data", "train_fsdp", "resume_fp16", "deterministic"], rows
     assert rows["train_fsdp"][0] == "ok" and rows["train_fsdp"][3].startswith("2 epochs, "), rows
     assert "2 process(es) on cpu, amp off; val_acc " in rows["train_fsdp"][3], rows
+    # train.profile=3 after the profiler's wait and warm-up step: 3 recorded steps, rank 0 alone.
+    assert rows["train_fsdp"][3].endswith("; profile: 3 steps in rank0's trace"), rows
+    assert [f.name for f in (tmp_path / "work" / "train_fsdp" / "profile").iterdir()] == ["rank0.pt.trace.json"]
+    assert rows["deterministic"][0] == "ok", rows
+    assert re.fullmatch(r"2 deterministic train\.py runs \(1 epoch, 2 workers\) bitwise equal on cpu: \d+ weights "
+                        r"and buffers, \d+ optimizer states, the schedule", rows["deterministic"][3]), rows
     assert rows["resume_fp16"][0] == "ok", rows
     assert re.fullmatch(r"1 epoch on cpu, resumed with 1 process\(es\) on cpu, amp off: 7 steps, "
                         r"(\d+) of \1 parameters changed", rows["resume_fp16"][3]), rows
     metrics = (tmp_path / "work" / "train_fsdp" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in metrics] == [1, 2]
+
+
+def test_benchmark_compile_with_too_little_time_left_is_named_not_run(tmp_path):
+    """The compile step starts only with COMPILE_NEED seconds of TOTAL left; with less, summary.md says so."""
+    r = run_script(tmp_path, {"PYTHON": sys.executable, "STEPS": "benchmark_compile", "TOTAL": "30",
+                              "COMPILE_NEED": "400"}, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert not (tmp_path / "work" / "results" / "gpu_checks" / "logs" / "benchmark_compile.log").exists()
+    row = summary_rows(tmp_path / "out")["benchmark_compile"]
+    assert row[0] == "not run" and re.fullmatch(r"not run: \d+ s left of TOTAL=30, it needs 400", row[4]), row
+
+
+# ------------------------------------------------------------------ the test lanes
+
+LANE_TEST = '''\
+import time
+from pathlib import Path
+
+import pytest
+
+
+{gpu_mark}
+def test_meets_the_other_lane():
+    Path({mine!r}).touch()
+    deadline = time.monotonic() + 40
+    while not Path({other!r}).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert Path({other!r}).exists(), "the other file's test did not run beside this one"
+    time.sleep({linger})
+'''
+
+
+def test_test_files_run_side_by_side_and_the_summary_keeps_their_order(tmp_path):
+    """Two test files in two lanes: each file's test waits for the other's to start, so they pass only
+    when they run at the same time (with LANES=1 the first fails). The second finishes first; summary.md
+    still lists them in the planned order."""
+    files = [tmp_path / "test_lane_a.py", tmp_path / "test_lane_b.py"]
+    marks = [tmp_path / "a-started", tmp_path / "b-started"]
+    for f, mine, other, linger in zip(files, marks, marks[::-1], (3, 0)):
+        f.write_text(LANE_TEST.format(gpu_mark=GPU_MARK, mine=str(mine), other=str(other), linger=linger))
+    r = run_script(tmp_path, {"PYTHON": sys.executable, "TESTS": " ".join(map(str, files)),
+                              "STEPS": "test_lane_a test_lane_b", "LANES": "2"}, timeout=200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    rows = summary_rows(tmp_path / "out")
+    assert list(rows) == ["test_lane_a", "test_lane_b"], rows
+    assert [rows[n][0] for n in rows] == ["ok", "ok"] and [rows[n][3] for n in rows] == ["1 passed"] * 2, rows
+    done = [line.split("\t")[0] for line in (tmp_path / "work" / "steps.tsv").read_text().splitlines()]
+    assert done == ["test_lane_b", "test_lane_a"], done
 
 
 # ------------------------------------------------------------------ a step stopped by its limit
@@ -286,25 +343,29 @@ def test_a_step_stopped_by_its_limit_leaves_no_process_behind(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_the_script_stopped_by_a_signal_stops_its_step_and_still_packs(tmp_path):
+def test_the_script_stopped_by_a_signal_stops_its_steps_and_still_packs(tmp_path):
+    """SIGTERM to the script while two test files run in two lanes: both steps stop, with every process
+    they started, and both are named in summary.md."""
     token = f"gpu-checks-signal-{os.getpid()}-{time.time_ns()}"
-    test_file = tmp_path / "test_overrun.py"
-    test_file.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK, ready=str(tmp_path / "started")))
-    script = start_script(tmp_path, {"PYTHON": sys.executable, "TESTS": str(test_file), "STEPS": "test_overrun",
-                                      "L_OTHER": "100", "GRACE": "2"})
+    files = [tmp_path / "test_overrun.py", tmp_path / "test_overrun2.py"]
+    for i, f in enumerate(files):
+        f.write_text(OVERRUN.format(token=token, gpu_mark=GPU_MARK, ready=str(tmp_path / f"started{i}")))
+    script = start_script(tmp_path, {"PYTHON": sys.executable, "TESTS": " ".join(map(str, files)),
+                                      "STEPS": "test_overrun test_overrun2", "L_OTHER": "100", "GRACE": "2"})
     try:
-        deadline = time.monotonic() + 60
-        while len(processes_with(token.encode(), whole_arg=True)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)  # until the step's two sleepers run
-        assert len(processes_with(token.encode(), whole_arg=True)) == 2, "the step did not start its sleepers"
+        deadline = time.monotonic() + 90
+        while len(processes_with(token.encode(), whole_arg=True)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)  # until both steps' two sleepers run
+        assert len(processes_with(token.encode(), whole_arg=True)) == 4, "the steps did not start their sleepers"
         script.send_signal(signal.SIGTERM)
         out, err = script.communicate(timeout=60)
         assert script.returncode == 143, out[-3000:] + err[-2000:]
         time.sleep(0.5)
-        assert processes_with(token.encode()) == [], "processes the step started are still running"
+        assert processes_with(token.encode()) == [], "processes the steps started are still running"
         rows = summary_rows(tmp_path / "out")
-        assert rows["test_overrun"][0] == "STOPPED (script ended)", rows
-        assert {"gpu_checks/logs/test_overrun.log", "gpu_checks/summary.md"} <= archive_names(tmp_path / "out")
+        assert [rows[n][0] for n in ("test_overrun", "test_overrun2")] == ["STOPPED (script ended)"] * 2, rows
+        assert {"gpu_checks/logs/test_overrun.log", "gpu_checks/logs/test_overrun2.log",
+                "gpu_checks/summary.md"} <= archive_names(tmp_path / "out")
     finally:
         kill_script(script)
         for pid in processes_with(token.encode()):

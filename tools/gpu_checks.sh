@@ -9,6 +9,7 @@
 #   QUICK=1 bash tools/gpu_checks.sh           # rehearsal on a CPU: tiny sizes, same steps
 #   STEPS="test_optim benchmark" bash ...      # only these steps (setup still runs when a module is missing)
 #   TESTS="tests/test_optim.py" bash ...       # these pytest files instead of every file with GPU tests
+#   LANES=1 bash tools/gpu_checks.sh           # the test files one after another (default 3 lanes side by side)
 #   PYTHON (default python3), WORK (scratch, default /tmp/gpu_checks), TOTAL, GRACE and each L_* below
 #   can be set the same way.
 #
@@ -31,7 +32,10 @@
 #                      data/bench_flowers, kept for later runs); made in the background while the tests run
 #   test_<file>        pytest -m gpu, one call per test file with GPU tests, so that one slow file cannot
 #                      starve the others; no -x: every test gets its chance. Each writes junit-<file>.xml
-#                      (also when stopped by its limit: SIGTERM ends the pytest session cleanly)
+#                      (also when stopped by its limit: SIGTERM ends the pytest session cleanly). The files
+#                      run in LANES lanes side by side (the longest limits first, each into the lane with
+#                      the least so far): they check results, not speed, and take a few GiB of one GPU at
+#                      most; every torchrun they start binds a free port. Nothing timed runs beside them
 #   ddp_check          tools/ddp_check.py under torchrun, one process per visible GPU (2 gloo processes on
 #                      a CPU): NCCL group, all-reduce, bus bandwidth, /dev/shm, variables; the GPU-pair
 #                      check needs 2 or more GPUs and says skip on one
@@ -40,21 +44,26 @@
 #                      already; vit_b_16 is smaller) for the largest that trains. Early, so that it gets
 #                      its time; fsdp_memory.json/.md
 #   train_fsdp         train_multi_gpu_fsdp.py with the default config (ResNet34, channels_last, bf16,
-#                      batch 16, 224 px) for 2 epochs of the flower-sized folder, one process per GPU;
-#                      then its metrics.jsonl must hold both epochs
+#                      batch 16, 224 px) and train.profile=3 for 2 epochs of the flower-sized folder, one
+#                      process per GPU; then its metrics.jsonl must hold both epochs and rank 0's profiler
+#                      trace its recorded steps (with their CUDA kernels on a GPU)
 #   resume_fp16        train.py, 1 epoch on the CPU (a checkpoint with contiguous SGD momentum), then
 #                      resumed on CUDA with train.amp=fp16 (channels_last weights, fused SGD) for a 2nd
 #                      epoch, on demo/flowers.py's images, 8 a class (30 train, 10 val) at 64 px; the
 #                      2nd epoch must take its steps and change the weights (epoch_001.pt against 002)
-#   benchmark          benchmarks/benchmark.py: ResNet34, batch 128, bf16, channels_last, 224 px: ceiling,
-#                      end to end with data.pipeline=pil and gpu, DDP world-size-1 ratio, CPU bare-loop ratio
-#   scaling            benchmarks/scaling.py --pipeline gpu: single / DP / DDP on every visible GPU
 #   deterministic      train.deterministic=true: train.py twice on CUDA with 2 DataLoader workers must end
-#                      bit for bit equal (weights, optimizer state, schedule); then its cost, the ResNet34
-#                      training step at 224 px, batch 128, bf16 with the mode on and off, interleaved, 5
-#                      timings of 30 steps each: img/s medians and their ratio
+#                      bit for bit equal (weights, optimizer state, schedule). Before the timed steps: what
+#                      it proves matters more than any figure after it
+#   benchmark          benchmarks/benchmark.py: ResNet34, batch 128, bf16, channels_last, 224 px: ceiling,
+#                      end to end with data.pipeline=pil and gpu, DDP world-size-1 ratio, CPU bare-loop
+#                      ratio; on a GPU with --repeats 3 --epochs 2 (its defaults: 5 and 3), to fit the call
+#   scaling            benchmarks/scaling.py --pipeline gpu: single / DP / DDP on every visible GPU
+#   deterministic_cost the mode's cost: the ResNet34 training step at 224 px, batch 128, bf16 with
+#                      train.deterministic on and off, interleaved, 5 timings of 30 steps each: img/s
+#                      medians and their ratio
 #   benchmark_compile  benchmark.py --compile --skip e2e,ddp,bare: eager and torch.compile ceilings. Last,
-#                      since a cold compile is the longest and least sure part; not run with QUICK=1
+#                      with what is left of TOTAL (a cold compile is the longest and least sure part):
+#                      summary.md names it "not run" when too little is left; not run with QUICK=1
 # The training steps end with a line `result: ...` (what they trained, on which device, with which amp):
 # summary.md shows it. With QUICK=1 they run on the CPU at tiny sizes (resnet18, 32 px): the plumbing only.
 # A step that fails or hits its limit leaves what it finished, and the next step still runs. When a step
@@ -105,11 +114,10 @@ TSV=$WORK/steps.tsv
 # counted in the tests and tools. For ResNet34, 224 px, batch 128, bf16, channels_last on one H200
 # (~790 bf16 TFLOP/s dense; ResNets reach far less, BatchNorm and ReLU being memory-bound): 22 GFLOP an
 # image for forward + backward, 2.8 TFLOP a step, taken as ~20-30 ms a step (~4,000-6,500 img/s).
-# Expected (not limits), in order: setup 3 + tests ~235 (70 + 110 + 20 + 10 + 25) + ddp_check ~15 +
-# fsdp_memory ~55 + train_fsdp ~45 + resume_fp16 ~25 + benchmark ~130 = ~510 s, which leaves scaling ~30 s
-# of its ~65 (summary.md names the rows it did not reach), deterministic and benchmark_compile nothing: they
-# run in a call of their own, STEPS="data scaling deterministic benchmark_compile" (data, for a fresh
-# machine's flower folder). Where
+# Expected (not limits), in order: setup 3 + tests ~110 (3 lanes: gpu_pipeline ~110; cuda_scripts ~70 +
+# engine ~20; optim ~10 + parallel_semantics ~25) + ddp_check ~15 + fsdp_memory ~55 + train_fsdp ~50 +
+# resume_fp16 ~25 + deterministic ~30 + benchmark ~85 (--repeats 3 --epochs 2) + scaling ~65 +
+# deterministic_cost ~20 = ~460 s, which leaves benchmark_compile ~80 s of its ~70-120: one call. Where
 # the GPU runs slower than reasoned, the steps before them get less, and summary.md says what they did not
 # finish. A limit bounds a hung
 # step; TOTAL cuts any step's limit to what is left of the whole, so the script ends within TOTAL +
@@ -162,18 +170,19 @@ L_SCALING=${L_SCALING:-140}  # quick rows: 3 took 24-47 s (~10 s each, mostly st
                            # for one GPU's 3 rows (single, DP, DDP) at full size: per row a start, decoding
                            # 3,670 JPEGs once into the cache (~3 s with 8 workers) and 2 ResNet34 epochs at
                            # batch 16 (230 launch-bound steps an epoch, ~3 s): ~20 s a row, ~65 s in all
-L_DETERMINISTIC=${L_DETERMINISTIC:-240}  # QUICK=1 (resnet18, 32 px; 3 Python starts: the images, 2 runs; then
-                           # the timed steps): 111 s, and stopped at 120 in the timed part, at load 7-14 on the
-                           # 2-core VM (26-29 CPU-s) -> 240, the rule's 2 x 111 rounded up with no GPU margin
-                           # added: the GPU host's 16 idle cores take the fixed costs far faster. Reasoned: 3
-                           # starts and 2 CUDA start-ups ~30 s, ResNet34's 7 steps at 64 px twice, the timed
-                           # part 10 x 30 + 10 warm-up steps at batch 128 (~20-30 ms each, the deterministic
-                           # ones slower): ~45-60 s
+L_DETERMINISTIC=${L_DETERMINISTIC:-90}  # QUICK=1 (resnet18, 32 px; 3 Python starts: the images, 2 runs): 9 s at
+                           # load ~1 (with its timed part, once one step, 111 s at load 7-14) -> 90, room for such
+                           # load. Reasoned: 3 starts and 2 CUDA start-ups ~20 s, ResNet34's 7 steps at 64 px
+                           # twice: ~30 s
+L_DET_COST=${L_DET_COST:-60}  # QUICK=1: 4 s -> 10; reasoned +50: a start, CUDA start-up, ResNet34 built, 10 x 30
+                           # + 10 warm-up steps at batch 128 (~20-30 ms each, the deterministic ones slower)
 ROW_LIMIT=${ROW_LIMIT:-45}  # scaling.py --timeout, per row, so a hung row leaves the others their time:
                            # longest quick row 12.2 s -> 30; reasoned +15 s (that row's decoding and epochs)
 L_COMPILE=${L_COMPILE:-120}  # not rehearsed (no compiler runs on the CPU VM). Reasoned: start-up ~10 s, the
                            # eager ceiling again (300 steps, ~8 s), a cold inductor compile of ResNet34's
                            # train step ~40-90 s, then warm-up 50 + 300 timed steps ~8 s: ~70-120 s
+COMPILE_NEED=${COMPILE_NEED:-60}  # benchmark_compile starts only with this much left of TOTAL: with less, a cold
+                           # compile cannot finish, and summary.md names the step "not run" instead
 # ---------------------------------------------------------------------------------------------------
 
 T0=$(date +%s)
@@ -355,10 +364,28 @@ def fsdp(run_dir, data, nproc, *extra):
     run_dir = Path(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     out = run(PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-              "train_multi_gpu_fsdp.py", "--data-path", data, "--output-dir", run_dir, "train.epochs=2", *extra)
+              "train_multi_gpu_fsdp.py", "--data-path", data, "--output-dir", run_dir, "train.epochs=2",
+              f"train.profile={PROFILED}", *extra)
     last = epochs(run_dir, 2)[-1]
     print(f"result: 2 epochs, {last['step']} steps, {setup_line(out)}; val_acc {last['val_acc']:.3f}, "
-          f"{last['img_per_s']:.0f} img/s", flush=True)
+          f"{last['img_per_s']:.0f} img/s; {profile_line(run_dir, 'cuda' in setup_line(out))}", flush=True)
+
+
+PROFILED = 3  # train_fsdp's train.profile: steps rank 0's profiler records in the first epoch
+
+
+def profile_line(run_dir, cuda):
+    """What rank 0's train.profile trace holds: its recorded steps, and on CUDA their GPU kernels."""
+    trace = run_dir / "profile" / "rank0.pt.trace.json"
+    try:
+        events = json.loads(trace.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"train.profile={PROFILED} left no readable trace {trace}: {e}")
+    steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    kernels = sum(e.get("cat") == "kernel" for e in events)
+    if len(steps) != PROFILED or (cuda and kernels == 0):
+        fail(f"the trace holds {len(steps)} recorded steps (not {PROFILED}) and {kernels} GPU kernels")
+    return f"profile: {len(steps)} steps" + (f", {kernels} GPU kernels" if cuda else "") + " in rank0's trace"
 
 
 def resume(work, device, *extra):
@@ -388,18 +415,10 @@ def resume(work, device, *extra):
           f"{len(params)} parameters changed", flush=True)
 
 
-def deterministic(work, device, model_name, img_size, batch, steps, *sizes):
+def deterministic(work, device, *sizes):
     """train.deterministic=true: train.py twice with 2 DataLoader workers must give bit-identical weights,
-    optimizer state and schedule (tests/test_deterministic.py on CUDA). Then its cost: the project's model
-    and optimizer on a synthetic batch (no loader, so the kernels are what is timed), `steps` training steps
-    per timing, with the mode on and off in turn, 5 times each; img/s medians and their ratio."""
-    import os, statistics, time
+    optimizer state and schedule (tests/test_deterministic.py on CUDA)."""
     import torch
-    sys.path.insert(0, os.getcwd())  # the repository (the step runs there): its model and utils
-    from model import build_model
-    from utils.config import load_config
-    from utils.distributed_utils import use_device
-    from utils.optim import build_optimizer, resolve_amp
     work = Path(work)
     data = work / "data"
     run(PY, "demo/flowers.py", data, "--images-per-class", 8)  # kept: nothing written when already there
@@ -418,7 +437,22 @@ def deterministic(work, device, model_name, img_size, batch, steps, *sizes):
                if torch.is_tensor(t) and not torch.equal(t, b["optimizer"]["state"][p][k])]
     if differ or a["scheduler"] != b["scheduler"]:
         fail(f"two deterministic runs differ: {', '.join(differ[:3]) or 'the schedule'}")
+    print(f"result: 2 deterministic train.py runs (1 epoch, 2 workers) bitwise equal on {device}: "
+          f"{len(a['model'])} weights and buffers, {len(a['optimizer']['state'])} optimizer states, the schedule",
+          flush=True)
 
+
+def deterministic_cost(device, model_name, img_size, batch, steps):
+    """train.deterministic's cost: the project's model and optimizer on a synthetic batch (no loader, so the
+    kernels are what is timed), `steps` training steps per timing, with the mode on and off in turn, 5 times
+    each; img/s medians and their ratio."""
+    import os, statistics, time
+    import torch
+    sys.path.insert(0, os.getcwd())  # the repository (the step runs there): its model and utils
+    from model import build_model
+    from utils.config import load_config
+    from utils.distributed_utils import use_device
+    from utils.optim import build_optimizer, resolve_amp
     cfg = load_config(["--device", device, f"model.name={model_name}", f"data.img_size={img_size}"])
     dev = torch.device(device)
     amp = resolve_amp(cfg.train.amp, dev)
@@ -455,16 +489,19 @@ def deterministic(work, device, model_name, img_size, batch, steps, *sizes):
     use_device(dev, False)
     on, off = statistics.median(speed[True]), statistics.median(speed[False])
     print(f"deterministic img/s {[round(v) for v in speed[True]]}, default {[round(v) for v in speed[False]]}")
-    print(f"result: 2 deterministic train.py runs (2 workers) bitwise equal on {device}; {model_name} step at "
-          f"{img_size} px, batch {batch}, amp {str(amp).replace('torch.', '') if amp else 'off'}: deterministic "
+    print(f"result: {model_name} step on {device} at {img_size} px, batch {batch}, amp {str(amp).replace('torch.', '') if amp else 'off'}: deterministic "
           f"{on:.0f} img/s / default {off:.0f} img/s = {on / off:.3f} (medians of 5, interleaved)", flush=True)
 
 
-{"fsdp": fsdp, "resume": resume, "deterministic": deterministic}[sys.argv[1]](*sys.argv[2:])
+{"fsdp": fsdp, "resume": resume, "deterministic": deterministic,
+ "deterministic_cost": deterministic_cost}[sys.argv[1]](*sys.argv[2:])
 EOF
 
 summary() {  # the table from steps.tsv and the steps' own result files -> R/summary.md, stdout
-    "$PY" - "$TSV" "$R" "${PLANNED[@]}" > "$R/.summary.md" <<'EOF'
+    # Lanes report side by side: each through a temporary file of its own, then a rename. (Named here:
+    # a redirection is expanded in the forked child, whose $BASHPID is another.)
+    local tmp=$R/.summary.$BASHPID.md
+    "$PY" - "$TSV" "$R" "${PLANNED[@]}" > "$tmp" <<'EOF'
 import json, re, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 steps, out, planned = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
@@ -551,11 +588,13 @@ seen = {line.split("\t")[0] for line in lines}
 for name in planned:  # steps this run has not reached (yet): the script was stopped, or is still going
     if name not in seen:
         lines.append(f"{name}\tnot started\t-\t-")
+order = {name: i for i, name in enumerate(["setup", *planned])}  # the lanes finish in any order
+lines.sort(key=lambda line: order.get(line.split("\t")[0], len(order)))
 for line in lines:
-    name, rc, secs, limit = line.split("\t")
+    name, rc, secs, limit, *why = line.split("\t")
     rc = int(rc) if rc.lstrip("-").isdigit() else rc
     result = {0: "ok", 124: "TIMED OUT", 137: "TIMED OUT (killed)", 143: "STOPPED (script ended)",
-              "running": "STOPPED (script ended)", "skipped": "skipped",
+              "running": "STOPPED (script ended)", "skipped": "not run",
               "not started": "not started"}.get(rc, f"exit {rc}")
     if name.startswith("test_"):
         fin, missing = pytest_detail(name, rc)
@@ -571,10 +610,10 @@ for line in lines:
         fin, missing = ((own_line(name, "result", "done"), "-") if rc == 0 else
                         ("-", own_line(name, "failed", "see logs/" + name + ".log")))
     if rc in ("skipped", "not started"):
-        fin, missing = "-", "no time left of TOTAL" if rc == "skipped" else "-"
+        fin, missing = "-", (why[0] if why else "no time left of TOTAL") if rc == "skipped" else "-"
     print(f"| {name} | {result} | {secs} | {limit} | {fin} | {missing} |")
 EOF
-    mv "$R/.summary.md" "$R/summary.md"
+    mv "$tmp" "$R/summary.md"
 }
 
 collect() {  # the tools' own result files -> R
@@ -590,9 +629,12 @@ collect() {  # the tools' own result files -> R
 }
 
 pack() {  # R -> OUT/gpu_checks.tgz, summary.md beside it; each through a temporary file and a rename
-    tar -czf "$OUT/.gpu_checks.tgz" -C "$WORK/results" gpu_checks 2>/dev/null
-    [ $? -le 1 ] && mv -f "$OUT/.gpu_checks.tgz" "$OUT/gpu_checks.tgz"  # 1: a log grew while read
-    [ -f "$R/summary.md" ] && cp "$R/summary.md" "$OUT/.summary.md" && mv -f "$OUT/.summary.md" "$OUT/summary.md"
+    local tmp=$OUT/.gpu_checks.$BASHPID.tgz
+    tar -czf "$tmp" --exclude='.summary.*' -C "$WORK/results" gpu_checks 2>/dev/null
+    [ $? -le 1 ] && mv -f "$tmp" "$OUT/gpu_checks.tgz"  # 1: a log grew while read
+    rm -f "$tmp"
+    [ -f "$R/summary.md" ] && cp "$R/summary.md" "$OUT/.summary.$BASHPID.md" && \
+        mv -f "$OUT/.summary.$BASHPID.md" "$OUT/summary.md"
 }
 
 report() {  # after every step: the table, then the archive
@@ -629,7 +671,8 @@ else
 fi
 KNOWN=(setup data)
 for f in "${TEST_FILES[@]}"; do KNOWN+=("$(basename "$f" .py)"); done
-KNOWN+=(ddp_check fsdp_memory train_fsdp resume_fp16 benchmark scaling deterministic benchmark_compile)
+KNOWN+=(ddp_check fsdp_memory train_fsdp resume_fp16 deterministic benchmark scaling deterministic_cost
+        benchmark_compile)
 DEFAULT_STEPS="${KNOWN[*]}"
 [ -n "$QUICK" ] && DEFAULT_STEPS=${DEFAULT_STEPS% benchmark_compile}  # no compiler run on a CPU rehearsal
 read -ra SEL <<< "${STEPS:-$DEFAULT_STEPS}"
@@ -645,9 +688,14 @@ STEP_PID=
 STEP_RC=
 CURRENT=
 DATA_PID=
-on_stop() {  # this script was signalled: stop the running step, keep what it left, print the table
+LANE_PIDS=()
+on_stop() {  # this script was signalled: stop the running step(s), keep what they left, print the table
     trap - TERM INT HUP
     [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null && wait "$STEP_PID"
+    if [ ${#LANE_PIDS[@]} -gt 0 ]; then
+        kill -TERM "${LANE_PIDS[@]}" 2>/dev/null
+        wait "${LANE_PIDS[@]}"
+    fi
     if [ -n "$DATA_PID" ] && [ ! -f "$WORK/data.rc" ]; then
         [ -f "$WORK/data.pid" ] && kill -TERM "$(cat "$WORK/data.pid")" 2>/dev/null
         wait "$DATA_PID"
@@ -660,14 +708,16 @@ on_stop() {  # this script was signalled: stop the running step, keep what it le
 }
 trap on_stop TERM INT HUP
 
-step() {  # step NAME LIMIT CMD...: run with a time limit (cut to what is left of TOTAL), log, record
+step() {  # [NEED=S] step NAME LIMIT CMD...: run with a time limit (cut to what is left of TOTAL), log,
+          # record; not started when less than NEED seconds (default 5) are left of TOTAL
     local name=$1 limit=$2; shift 2
-    local l
+    local l need=${NEED:-5}
     l=$(left)
-    if [ "$l" -lt 5 ]; then
-        printf '%s\tskipped\t0\t%s\n' "$name" "$limit" >> "$TSV"
+    if [ "$l" -lt "$need" ]; then
+        printf '%s\tskipped\t0\t%s\tnot run: %s s left of TOTAL=%s, it needs %s\n' "$name" "$limit" \
+            "$(( l > 0 ? l : 0 ))" "$TOTAL" "$need" >> "$TSV"
         STEP_RC=skipped
-        echo "== $name: skipped, no time left of TOTAL=${TOTAL}s"
+        echo "== $name: not run, $(( l > 0 ? l : 0 )) s left of TOTAL=${TOTAL}s and it needs ${need}"
         report
         return
     fi
@@ -739,7 +789,9 @@ FLOWERS=$REPO/data/bench_flowers  # where the data step puts the folder (benchma
 SMALL=()        # train_fsdp: the config's sizes on a GPU
 RESUME_SIZES=(data.img_size=64 data.val_resize=73)  # resume_fp16's 40 demo images, a CPU epoch in seconds
 RESUME_DEVICE=cuda
-DET_STEP=(resnet34 224 128 30)  # deterministic's timed step: model, px, batch, steps per timing
+DET_STEP=(resnet34 224 128 30)  # deterministic_cost's timed step: model, px, batch, steps per timing
+BENCH_SIZES=(--repeats 3 --epochs 2)  # benchmark.py's defaults are 5 and 3: ~50 s more than the call has
+FSDP_QUICK=()
 if [ -n "$QUICK" ]; then
     Q=--quick COMPILE=
     FLOWERS=$WORK/bench/data/tiny_flowers
@@ -747,6 +799,8 @@ if [ -n "$QUICK" ]; then
     RESUME_SIZES=("${SMALL[@]}")
     RESUME_DEVICE=cpu
     DET_STEP=(resnet18 32 4 2)
+    BENCH_SIZES=()
+    FSDP_QUICK=(train.batch_size=4)  # the tiny folder's 40 training images: 5 steps a rank, 3 of them profiled
     # The rehearsal runs test_cuda_scripts.py's trainings on the CPU (its own switch); other GPU tests skip.
     export CUDA_SCRIPTS_DEVICE=${CUDA_SCRIPTS_DEVICE:-cpu}
     # One thread per process: on a shared CPU, torch's spinning threads make any other load a many-fold
@@ -765,15 +819,48 @@ if wanted data; then
     DATA_PID=$!
 fi
 
-# -- GPU tests, one pytest call per file --------------------------------------------------------------
+# -- GPU tests, one pytest call per file, in LANES lanes side by side ---------------------------------
 # SIGTERM (from the runner) becomes KeyboardInterrupt: pytest then ends the session and writes its junit xml.
 PYTEST=("$PY" -c "import signal, sys, pytest; signal.signal(signal.SIGTERM, signal.default_int_handler); sys.exit(pytest.main())"
         -v -m gpu -p no:cacheprovider)
-for f in "${TEST_FILES[@]}"; do
-    name=$(basename "$f" .py)
-    wanted "$name" || continue
-    step "$name" "${LIMIT[$name]:-$L_OTHER}" "${PYTEST[@]}" --junitxml="$R/junit-${name#test_}.xml" "$f"
+lane_stop() {  # a lane was signalled (by on_stop): stop its step, record it as running, end
+    trap - TERM
+    [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null && wait "$STEP_PID"
+    [ -n "$CURRENT" ] && printf '%s\trunning\t%s\t%s\n' "$CURRENT" "$(( $(date +%s) - STEP_T0 ))" "-" >> "$TSV"
+    exit 143
+}
+run_lane() {  # run_lane FILE...: their test steps one after another, in a subshell beside the other lanes
+    trap lane_stop TERM
+    local f name
+    for f; do
+        name=$(basename "$f" .py)
+        step "$name" "${LIMIT[$name]:-$L_OTHER}" "${PYTEST[@]}" --junitxml="$R/junit-${name#test_}.xml" "$f"
+    done
+}
+# Longest limit first, each file into the lane whose limits add up to least so far.
+NLANES=${LANES:-3}
+case $NLANES in ''|*[!0-9]*|0) echo "error: LANES=$NLANES is not a positive number"; finish 1 ;; esac
+declare -a LANE_FILES LANE_LOAD
+for ((i = 0; i < NLANES; i++)); do LANE_FILES[i]= LANE_LOAD[i]=0; done
+while read -r limit f; do
+    [ -n "$f" ] || continue
+    least=0
+    for ((i = 1; i < NLANES; i++)); do [ "${LANE_LOAD[i]}" -lt "${LANE_LOAD[least]}" ] && least=$i; done
+    LANE_FILES[least]+=" $f"
+    LANE_LOAD[least]=$(( LANE_LOAD[least] + limit ))
+done < <(for f in "${TEST_FILES[@]}"; do
+             name=$(basename "$f" .py)
+             wanted "$name" && echo "${LIMIT[$name]:-$L_OTHER} $f"
+         done | sort -s -k1,1nr)
+LANE_PIDS=()
+for ((i = 0; i < NLANES; i++)); do
+    [ -n "${LANE_FILES[i]}" ] || continue
+    echo "== lane $((i + 1)):$(for f in ${LANE_FILES[i]}; do printf ' %s' "$(basename "$f" .py)"; done)"
+    run_lane ${LANE_FILES[i]} &
+    LANE_PIDS+=($!)
 done
+[ ${#LANE_PIDS[@]} -gt 0 ] && wait "${LANE_PIDS[@]}"
+LANE_PIDS=()
 
 # -- the tools, the trainings, then the benchmarks ----------------------------------------------------
 if [ -n "$DATA_PID" ]; then
@@ -789,16 +876,19 @@ wanted ddp_check && step ddp_check "$L_DDP_CHECK" "$PY" -m torch.distributed.run
 wanted fsdp_memory && step fsdp_memory "$L_FSDP_MEMORY" "$PY" -m torch.distributed.run --standalone \
     --nproc_per_node="$NPROC" tools/fsdp_memory.py $Q --ladder vit_h_14,regnet_y_128gf --out-dir "$R"
 wanted train_fsdp && step train_fsdp "$L_TRAIN_FSDP" "$PY" "$TRAIN_CHECK" fsdp "$WORK/train_fsdp" "$FLOWERS" \
-    "$NPROC" ${SMALL[@]+"${SMALL[@]}"}
+    "$NPROC" ${SMALL[@]+"${SMALL[@]}"} ${FSDP_QUICK[@]+"${FSDP_QUICK[@]}"}
 wanted resume_fp16 && step resume_fp16 "$L_RESUME_FP16" "$PY" "$TRAIN_CHECK" resume "$WORK/resume_fp16" \
     "$RESUME_DEVICE" "${RESUME_SIZES[@]}" train.batch_size=4
-wanted benchmark && step benchmark "$L_BENCH" "$PY" benchmarks/benchmark.py $Q --out-dir "$WORK/bench"
+wanted deterministic && step deterministic "$L_DETERMINISTIC" "$PY" "$TRAIN_CHECK" deterministic \
+    "$WORK/deterministic" "$RESUME_DEVICE" "${RESUME_SIZES[@]}"
+wanted benchmark && step benchmark "$L_BENCH" "$PY" benchmarks/benchmark.py $Q ${BENCH_SIZES[@]+"${BENCH_SIZES[@]}"} \
+    --out-dir "$WORK/bench"
 wanted scaling && step scaling "$L_SCALING" "$PY" benchmarks/scaling.py $Q --pipeline gpu --timeout "$ROW_LIMIT" \
     --out-dir "$WORK/scaling"
-wanted deterministic && step deterministic "$L_DETERMINISTIC" "$PY" "$TRAIN_CHECK" deterministic "$WORK/deterministic" \
-    "$RESUME_DEVICE" "${DET_STEP[@]}" "${RESUME_SIZES[@]}"
-wanted benchmark_compile && step benchmark_compile "$L_COMPILE" "$PY" benchmarks/benchmark.py $Q $COMPILE \
-    --skip e2e,ddp,bare --out-dir "$WORK/bench_compile"
+wanted deterministic_cost && step deterministic_cost "$L_DET_COST" "$PY" "$TRAIN_CHECK" deterministic_cost \
+    "$RESUME_DEVICE" "${DET_STEP[@]}"
+wanted benchmark_compile && NEED=$COMPILE_NEED step benchmark_compile "$L_COMPILE" "$PY" benchmarks/benchmark.py \
+    $Q $COMPILE --skip e2e,ddp,bare --out-dir "$WORK/bench_compile"
 
 # -- results ------------------------------------------------------------------------------------------
 echo
