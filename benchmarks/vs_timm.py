@@ -356,8 +356,9 @@ def table(res):
     return "\n".join(lines) + "\n"
 
 
-def write(res, out_dir):
-    for name, text in (("vs_timm.json", json.dumps(res, indent=2)), ("vs_timm.md", table(res))):
+def write(res, out_dir, stem="vs_timm", render=None):
+    """OUT/<stem>.json and OUT/<stem>.md (render(res), default this tool's table), each whole or not at all."""
+    for name, text in ((f"{stem}.json", json.dumps(res, indent=2)), (f"{stem}.md", (render or table)(res))):
         tmp = out_dir / f"{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out_dir / name)

@@ -259,3 +259,44 @@ def test_zero_init_residual_default_is_the_measured_tables_verdict():
     wins_true, wins_false = sum(d >= 0 for d in diffs), sum(d <= 0 for d in diffs)
     assert load_config([]).model.zero_init_residual is (wins_true > wins_false)
     assert f"the default is **{str(wins_true > wins_false).lower()}**" in section
+
+
+@pytest.mark.slow
+def test_whole_run_quick_prints_the_ratio_and_the_breakdown(tmp_path):
+    """benchmarks/whole_run.py --quick: train.py and the bare loop, one pair, as real processes; the ratio is
+    template / bare of the two walls, both trained the same steps on the same images, and the template's
+    breakdown (from its metrics.jsonl and the launch and exit times) accounts for its wall time."""
+    from utils import run_dir as run_files
+    r = subprocess.run([sys.executable, "benchmarks/whole_run.py", "--quick", "--out-dir", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "whole_run.json").read_text())
+    assert len(res["runs"]) == 1
+    pair = res["runs"][0]
+    template, bare = pair["template"], pair["bare"]
+    assert template["wall_s"] > 0 and bare["wall_s"] > 0
+    assert pair["wall_ratio"] == pytest.approx(template["wall_s"] / bare["wall_s"])
+    assert res["wall_ratio"] == pair["wall_ratio"] and res["goal_met"] == (res["wall_ratio"] <= 1.03)
+    # 80 train images in batches of 64, the last partial one dropped: one step in each of 2 epochs; 40 val images.
+    assert template["steps_per_epoch"] == bare["steps_per_epoch"] == [1, 1]
+    assert template["val_count"] == bare["val_count"] == 40
+    assert template["epoch_lrs"] == pytest.approx(bare["epoch_lrs"])
+    parts = {"start", "steps", "validation", "pictures", "saves_and_rest", "between_epochs", "end"}
+    for side in (template, bare):
+        assert set(side["breakdown"]) == parts, side["breakdown"]
+        assert min(side["breakdown"].values()) >= 0, side["breakdown"]
+        # The parts tile the wall time, to metrics.jsonl's millisecond stamps.
+        assert sum(side["breakdown"].values()) == pytest.approx(side["wall_s"], abs=0.005), side
+        assert min(side["breakdown"][k] for k in ("start", "steps", "validation", "end")) > 0, side["breakdown"]
+    # The template's parts are its own clocks: metrics.jsonl's seconds, pictures on by default.
+    rows = run_files.read_metrics(tmp_path / "template-0", epochs_only=True)
+    assert template["breakdown"]["steps"] == pytest.approx(sum(row["train_seconds"] for row in rows))
+    assert template["breakdown"]["validation"] == pytest.approx(sum(row["val_seconds"] for row in rows))
+    assert template["breakdown"]["pictures"] == pytest.approx(sum(row["figure_seconds"] for row in rows))
+    assert template["breakdown"]["pictures"] > 0 and bare["breakdown"]["pictures"] == 0
+    assert template["breakdown"]["between_epochs"] > 0  # epoch 1's TensorBoard scalars, after its stamp
+    assert bare["save_s"] > 0
+    assert f"wall time, template / bare: {res['wall_ratio']:.3f} (median of 1 pair(s))" in r.stdout
+    assert f"| 0 | template | {template['wall_s']:.2f} | {bare['wall_s']:.2f} | {pair['wall_ratio']:.3f} |" in r.stdout
+    md = (tmp_path / "whole_run.md").read_text()
+    assert r.stdout.rstrip().endswith(md.strip().splitlines()[-1])  # the table is printed last
