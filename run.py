@@ -8,6 +8,7 @@ evaluation) is in engine.py.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -52,6 +53,7 @@ class _Run:
     stop: Optional[StopRequest]             # installed for the epochs
     run_state: ckpt.RunState                # epoch, global step, best score: the loop's and the checkpoint's
     hinted: bool = False                    # the input-bound hint was printed (once per run)
+    cam_net: Optional[torch.nn.Module] = None  # the pictures' copy of the weights (_pictures)
     profiled: bool = False                  # train.profile's epoch is done (the first this process trains)
     record: dict = dataclasses.field(default_factory=dict)  # utils/run_record.py's (complete on rank 0)
 
@@ -241,7 +243,9 @@ def _train_epoch(run, epoch):
     first_batch = None
     if epoch == 0 and cfg.train.figures:
         def first_batch(images, labels, at_step=run_state.global_step):
-            figures.sample_picture(run.logger, images, labels, run.classes, run.train_loader.dataset, at_step)
+            if run.logger.enabled:  # drawn on the logger's thread, from a copy: the step goes on with the batch
+                run.logger.later(figures.sample_picture, run.logger, images[:16].clone(), labels[:16].clone(),
+                                 run.classes, run.train_loader.dataset, at_step)
     # train.profile: some steps of the first epoch this process trains
     profiler = None if run.profiled else profiling.epoch_profiler(
         cfg.train, run.dist_info.rank, run.run_dir, run.step.device, run.logger.info,
@@ -266,10 +270,8 @@ def _train_epoch(run, epoch):
         run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
     run_state.epoch = epoch + 1
     run.saver.save(run_state, is_best=is_best)
-    cam = _gallery_cam(run.step.net, cfg) if cfg.train.figures and worst and run.logger.enabled else None
     key = score_key(run_state.multilabel)
-    figure_seconds = figures.epoch_pictures(run.logger, val, worst, run.classes, run.val_loader.dataset,
-                                            run_state.global_step, pr, cam) if cfg.train.figures else 0.0
+    figure_seconds = _pictures(run, val, worst, pr) if cfg.train.figures else 0.0
     metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
                best_key(run_state.best_metric): run_state.best_score,
                **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
@@ -374,6 +376,26 @@ def _raise_stopped(stop, where, global_step, run_dir, dist_info):
     raise UserError(f"stopped by {stop.name} {where}, global step {global_step}; "
                     f"{run_files.last(run_dir)} is saved. Resume with: {command}",
                     exit_code=stop.exit_code)
+
+
+def _pictures(run, val, worst, pr):
+    """The epoch's pictures (utils/figures.py), drawn on the logger's thread beside the next epoch, rank 0
+    only. Their Grad-CAM maps come from a copy of this epoch's weights (one more copy of the model on
+    rank 0's device), as the training goes on with the model meanwhile. Returns the seconds this epoch
+    spends on them: the wait for the last epoch's (so at most one epoch's pictures are pending) and the copy."""
+    if not run.logger.enabled:
+        return 0.0
+    start = time.perf_counter()
+    run.logger.wait()
+    cam = None
+    if worst and not fsdp.is_sharded(run.step.net):
+        if run.cam_net is None:
+            run.cam_net = copy.deepcopy(run.step.net)
+        run.cam_net.load_state_dict(run.step.net.state_dict())
+        cam = _gallery_cam(run.cam_net, run.cfg)
+    run.logger.later(figures.epoch_pictures, run.logger, val, worst, run.classes, run.val_loader.dataset,
+                     run.run_state.global_step, pr, cam)
+    return round(time.perf_counter() - start, 4)
 
 
 def _gallery_cam(net, cfg):

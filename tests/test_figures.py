@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_entry
+from conftest import FAST_ARGS, make_image_folder, run_entry
 from utils import figures
 from utils.run_dir import read_metrics
 
@@ -107,3 +107,33 @@ def test_resume_from_an_older_epoch_leaves_no_point_of_the_abandoned_branch(trai
         assert max(steps) <= end, f"{tag}: a point of the abandoned epoch 3: {steps}"
     assert [e.step for e in acc.Images("val/confusion_matrix")] == [resumed_at, end]
     assert [e.step for e in acc.Scalars("val/acc")] == [resumed_at, end]
+
+
+def test_pictures_drawn_beside_the_next_epoch_are_of_their_own_epochs_weights(tmp_path):
+    """The epoch's pictures are drawn on the logger's thread while the next epoch trains (run._pictures):
+    its worst mistakes' Grad-CAM maps must come from the epoch's own weights, not from the model training
+    on, and the training must not feel them. Epoch 1's picture in TensorBoard equals the one --eval-only
+    draws from epoch_001.pt (the same function, synchronously), pixel for pixel; and the run's checkpoints
+    equal those of the same run without pictures, bit for bit."""
+    from io import BytesIO
+
+    from PIL import Image
+    data = make_image_folder(tmp_path / "flowers", per_class=10)
+    base = [*FAST_ARGS, "--data-path", data, "train.epochs=2", "train.keep_last=2", "train.worst_images=4",
+            "optim.lr=0.05"]
+    drawn, plain = tmp_path / "drawn", tmp_path / "plain"
+    for out, figures_on in ((drawn, "true"), (plain, "false")):
+        proc = run_entry("train.py", *base, f"train.figures={figures_on}", "--output-dir", out)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for name in ("epoch_001.pt", "epoch_002.pt"):
+        mine, theirs = (torch.load(d / "checkpoints" / name, weights_only=True) for d in (drawn, plain))
+        assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
+    again = run_entry("train.py", *base, "--output-dir", tmp_path / "again", "--eval-only", "--resume",
+                      drawn / "checkpoints" / "epoch_001.pt")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    first = accumulate(drawn).Images("val/worst_mistakes")[0]
+    assert first.step == read_metrics(drawn)[0]["step"]
+    in_tensorboard = np.asarray(Image.open(BytesIO(first.encoded_image_string)).convert("RGB"))
+    redrawn = np.asarray(Image.open(tmp_path / "again" / "worst_mistakes.png").convert("RGB"))
+    assert in_tensorboard.shape == redrawn.shape and in_tensorboard.std() > 0
+    assert np.array_equal(in_tensorboard, redrawn)

@@ -7,7 +7,9 @@ call sites need no rank checks (and never wrap a collective in one).
 
 TensorBoard has one x-axis, the global optimizer step: step-level points at their
 step, an epoch's points (every number of its metrics.jsonl line) and pictures at
-the step where the epoch ends. Pictures (utils/figures.py): the confusion matrix
+the step where the epoch ends. TensorBoard's writes and the pictures happen on a thread of
+their own (Background), in the order asked, so the next epoch does not wait for them;
+metrics.jsonl, run files and the console lines are written on the caller's thread at once. Pictures (utils/figures.py): the confusion matrix
 and the worst mistakes every epoch, augmented training samples once.
 The Custom Scalars tab (LAYOUT) puts train and val loss on one chart; the bookkeeping
 numbers (epoch, seconds, counts) sort after the curves, in BOOKKEEPING.
@@ -16,7 +18,9 @@ import io
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -69,25 +73,84 @@ def write_json(path, obj):
     tmp.replace(path)
 
 
+class Background:
+    """One thread that runs the jobs it is given, one at a time, in the order given: TensorBoard's
+    writes and the epoch's pictures, beside the training. A job's error is raised on the caller's
+    thread at its next later() or wait(); a job given on the thread itself runs at once."""
+
+    def __init__(self):
+        self._jobs, self._error = queue.Queue(), None
+        self._thread = threading.Thread(target=self._work, name="run-logger", daemon=True)
+        self._thread.start()
+
+    def _work(self):
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:  # after an error the rest is dropped: it is raised once, where asked
+                    job[0](*job[1])
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                self._error = e
+            finally:
+                self._jobs.task_done()
+
+    def later(self, fn, *args):
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        self._raise()
+        self._jobs.put((fn, args))
+
+    def wait(self):
+        """Returns when every job given so far is done."""
+        self._jobs.join()
+        self._raise()
+
+    def close(self, raise_errors=True):
+        self._jobs.put(None)
+        self._thread.join()
+        if raise_errors:
+            self._raise()
+
+    def _raise(self):
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
 class RunLogger:
     def __init__(self, run_dir, enabled, start_epoch=0, start_step=0, resuming=False, tty=None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         # A terminal gets tqdm bars; a file (SLURM's output, nohup, a pipe) gets one plain line per log window.
         self.tty = sys.stderr.isatty() if tty is None else tty
-        self.writer = None
+        self.writer = self.background = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / run_files.METRICS
         self._truncate_metrics(start_epoch)
-        from torch.utils.tensorboard import SummaryWriter
         # purge_step hides points a killed or abandoned run logged past the checkpoint's step
         # (all of them for one killed before its first checkpoint), so a resumed curve does not
         # double back on itself; the checkpoint's own step keeps its points (its epoch's end).
-        self.writer = SummaryWriter(log_dir=str(self.run_dir),
-                                    purge_step=(start_step + 1 if start_step else 0) if resuming else None)
+        self.background = Background()
+        self.later(self._open_writer, (start_step + 1 if start_step else 0) if resuming else None)
+
+    def _open_writer(self, purge_step):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge_step)
         self.writer.add_custom_scalars(LAYOUT)
+
+    def later(self, fn, *args):
+        """Run fn(*args) on the logger's own thread, after what was asked before (rank 0; else nothing)."""
+        if self.background is not None:  # enabled, and not closed yet
+            self.background.later(fn, *args)
+
+    def wait(self):
+        """Until every TensorBoard write and picture asked for so far is done."""
+        if self.background is not None:
+            self.background.wait()
 
     def _truncate_metrics(self, start_epoch):
         """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch); an event line
@@ -113,8 +176,7 @@ class RunLogger:
             save_config(cfg, self.run_dir / run_files.CONFIG)
 
     def scalar(self, tag, value, global_step):
-        if self.enabled:
-            self.writer.add_scalar(tag, value, global_step)
+        self.later(lambda: self.writer.add_scalar(tag, value, global_step))
 
     def epoch(self, metrics, classes=()):
         """One line of metrics.jsonl; each of its numbers (per-class lists by class name) becomes a
@@ -124,6 +186,9 @@ class RunLogger:
         metrics = {"time": round(time.time(), 3), **metrics}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        self.later(self._epoch_scalars, metrics, tuple(classes))
+
+    def _epoch_scalars(self, metrics, classes):
         global_step = metrics["step"]
         for key, value in metrics.items():
             if key in ("time", "step"):
@@ -147,8 +212,9 @@ class RunLogger:
         """An RGB uint8 (H, W, 3) picture from utils/figures.py, as a PNG in the event file. Encoded here:
         add_image converts to float, resamples at scale 1 and compresses at zlib's level 6, which cost
         more than drawing the picture did."""
-        if not self.enabled:
-            return
+        self.later(self._image, tag, image, global_step)
+
+    def _image(self, tag, image, global_step):
         from PIL import Image
         from tensorboard.compat.proto.summary_pb2 import Summary
         png = io.BytesIO()
@@ -160,16 +226,19 @@ class RunLogger:
 
     def pr_curve(self, tag, labels, probabilities, global_step):
         """A precision-recall curve (TensorBoard's PR curves tab) of one label's 0/1 targets and probabilities."""
-        if self.enabled:
-            self.writer.add_pr_curve(tag, labels.int().numpy(), probabilities.float().numpy(), global_step)
+        self.later(lambda: self.writer.add_pr_curve(tag, labels.int().numpy(), probabilities.float().numpy(),
+                                                    global_step))
 
     def hparams(self, config, metric_tags):
         """The flattened config in TensorBoard's HParams tab, beside the last value of `metric_tags`."""
         if not self.enabled:
             return
-        from torch.utils.tensorboard.summary import hparams
         flat = {k: v if isinstance(v, (int, float, str, bool)) else "null" if v is None else str(v)
                 for k, v in flatten(config).items()}
+        self.later(self._hparams, flat, metric_tags)
+
+    def _hparams(self, flat, metric_tags):
+        from torch.utils.tensorboard.summary import hparams
         # Into this run's own event file (add_hparams would open a sub-run beside it).
         writer = self.writer._get_file_writer()
         for summary in hparams(flat, {tag: math.nan for tag in metric_tags}):
@@ -192,12 +261,19 @@ class RunLogger:
                   f"ETA {_clock(eta_s)}", flush=True)
 
     def flush(self):
-        if self.enabled:
-            self.writer.flush()
+        self.later(lambda: self.writer.flush())
+        self.wait()
 
     def close(self):
-        if self.writer is not None:
-            self.writer.close()
+        """Waits for the TensorBoard writes and pictures still to do, then closes the event file. An error of
+        theirs is raised here, unless the run is already ending with one of its own."""
+        if self.background is None:
+            return
+        self.background.later(lambda: self.writer is not None and self.writer.close())
+        try:
+            self.background.close(raise_errors=sys.exc_info()[0] is None)
+        finally:
+            self.background = None
 
 
 # TensorBoard's Scalars tab sorts its sections by the tag's first part: bookkeeping goes in one
