@@ -343,3 +343,23 @@ def test_one_process_scripts_under_torchrun_stop_before_reading_data(tmp_path, m
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 2 and errors == [launcher_refusal("train_multi_gpu_dp.py", 3)], errors
     assert list((tmp_path / "dp").iterdir()) == []
+
+
+def test_a_run_imports_only_the_packages_it_uses(tmp_path):
+    """A plain run (pictures on, no MixUp, a torchvision model) loads none of the packages that only other
+    features use: they would be seconds of start-up for nothing (issue 44's whole-run benchmark). Read from
+    the finished process's own sys.modules, written by a sitecustomize.py at exit."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import atexit, sys
+        atexit.register(lambda: open({str(tmp_path / 'modules.txt')!r}, "w").write("\\n".join(sorted(sys.modules))))
+    """))
+    data = make_image_folder(tmp_path / "flowers")
+    proc = run_entry("train.py", *FAST_ARGS, "--data-path", data, "--output-dir", tmp_path / "run",
+                     "train.figures=true", env={"PYTHONPATH": str(hook)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = set((tmp_path / "modules.txt").read_text().split())
+    assert "torchvision.models" in modules  # the hook saw the run
+    unused = {"optuna", "sklearn", "matplotlib", "onnx", "onnxruntime", "timm", "torchvision.transforms.v2"}
+    assert not unused & modules, sorted(unused & modules)
