@@ -245,7 +245,8 @@ def _load_yaml(path):
     if not path.is_file():
         raise UserError(f"config file '{path}' does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        # libyaml's parser where PyYAML has it (same SafeLoader rules): a tenth of the 0.1 s of the Python one
+        data = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
