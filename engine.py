@@ -28,16 +28,17 @@ from torch.profiler import record_function
 
 from torch.utils.hooks import RemovableHandle
 
-from model import use_channels_last
+from model import find_head, use_channels_last
 from utils import checkpoint as ckpt
 from utils.data_wait import TimedBatches
 from utils.distributed_utils import broadcast_buffers, gather_objects, no_sync, reduce_min, reduce_sums
 from utils.errors import RUNTIME_EXIT, UserError, unused_parameters
-from utils import fsdp, profiling
+from utils import fsdp, param_groups, profiling
 from utils.normalization import model_input, normalization_of
 from utils.metrics import best_f1_thresholds, classification_report, multilabel_report, top_k_hits
 from utils.mixing import batch_mixer
-from utils.optim import WeightEMA, accumulation, build_optimizer, build_scaler, build_scheduler, resolve_amp
+from utils.optim import WeightEMA, accumulation, build_optimizer, build_scaler, build_scheduler, group_lrs, \
+    per_group_lrs, resolve_amp
 from utils.run_logger import RunLogger
 from utils.stop import StopRequest
 
@@ -196,6 +197,9 @@ class Step:
     # The bare network under the wrappers (DP/DDP, torch.compile): what the optimizer, the EMA, the
     # checkpoints, the cost line and Grad-CAM see. Found from `model` when not given.
     net: Optional[torch.nn.Module] = None
+    # train.unfreeze_at: the epochs before it keep these BatchNorm layers (the body's) in eval mode.
+    unfreeze_at: int = 0
+    body_norms: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.net is None:
@@ -303,6 +307,9 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
     hooks = hooks or EpochHooks()
     logger = hooks.logger or RunLogger(".", enabled=False)
     step.model.train()
+    if epoch < step.unfreeze_at:  # the body's lr is 0: its BatchNorm statistics stay as loaded too
+        for module in step.body_norms:
+            module.eval()
     used = len(loader) // step.accum_steps * step.accum_steps  # batches that make whole optimizer steps
     batches = iter(loader)
     skip, images_seen, resumed_loss = _skip_trained(batches, resume)
@@ -389,7 +396,7 @@ def _close_window(step, hooks, logger, window, epoch, global_step, waited, bar_f
                         "The last good checkpoint is kept. Try a lower --lr or train.amp=off.",
                         exit_code=RUNTIME_EXIT, every_rank=True)
     seconds = max(time.perf_counter() - window.start, 1e-9)
-    lr = step.optimizer.param_groups[0]["lr"]
+    lr, lowest = group_lrs(step.optimizer)  # the head's and the lowest group's (the same without lr scales)
     bar, label, epoch_step, epoch_steps, eta = bar_fields
     logger.window(bar, label, epoch_step, epoch_steps, loss, window.images * world / seconds, lr, eta)
     logger.scalar("train/loss_step", loss, global_step)
@@ -397,6 +404,8 @@ def _close_window(step, hooks, logger, window, epoch, global_step, waited, bar_f
     logger.scalar("train/data_wait_step", min(wait / seconds, 1.0), global_step)  # share of the window
     # The lr the window ended with (a Python float, no sync): warm-up and cosine show as curves.
     logger.scalar("train/lr", lr, global_step)
+    if per_group_lrs(step.optimizer):
+        logger.scalar("train/lr_lowest", lowest, global_step)
     if step.clip_grad_norm:  # every rank clips the same reduced gradients: the sums hold world copies
         if totals["finite_norms"]:
             logger.scalar("train/grad_norm", totals["grad_norm"] / totals["finite_norms"], global_step)
@@ -621,15 +630,34 @@ def build_step(cfg, model, train_loader, classes, dist_info):
                                      len(classes), device)
     network = ckpt.unwrap(model)  # Step.net: what the optimizer, the EMA and the checkpoints see
     criterion, amp_dtype, channels_last = compute_settings(cfg, device, class_weight, multilabel, pos_weight)
+    scales, head, unfreeze = fine_tuning(cfg, network, len(classes))
     optimizer = build_optimizer(network, cfg.optim, world, fused=amp_dtype == torch.float16,
-                                global_batch=cfg.train.global_batch)
+                                global_batch=cfg.train.global_batch, lr_scales=scales,
+                                head=param_groups.head_names(network, head))
     step = Step(model=compile_model(model) if cfg.train.compile else model, optimizer=optimizer,
-                scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps),
+                scheduler=build_scheduler(optimizer, cfg.optim, cfg.train.epochs, steps, unfreeze),
                 scaler=build_scaler(amp_dtype, device), device=device,
                 criterion=criterion, amp_dtype=amp_dtype, channels_last=channels_last, accum_steps=accum,
                 clip_grad_norm=cfg.optim.clip_grad_norm,
                 mix=batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes), multilabel),
-                ema=WeightEMA(network, cfg.train.ema_decay) if cfg.train.ema_decay else None, net=network)
+                ema=WeightEMA(network, cfg.train.ema_decay) if cfg.train.ema_decay else None, net=network,
+                unfreeze_at=cfg.train.unfreeze_at,
+                body_norms=param_groups.body_norms(network, head) if cfg.train.unfreeze_at else [])
     layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, steps, len(train_loader.dataset),
                               accum_steps=accum, sampler=cfg.data.sampler)
     return step, layout
+
+
+def fine_tuning(cfg, network, num_classes):
+    """(lr scale per parameter name or None, the head's name or None, (unfreeze_at, unfreeze_warmup)) of
+    optim.head_lr_scale, optim.layer_decay and train.unfreeze_at (utils/param_groups.py). None when all
+    are off: the optimizer's groups are then today's (and resume a checkpoint written before them)."""
+    optim, train = cfg.optim, cfg.train
+    unfreeze = (train.unfreeze_at, train.unfreeze_warmup)
+    if optim.head_lr_scale == 1 and optim.layer_decay == 1 and not train.unfreeze_at:
+        return None, None, unfreeze
+    keys = [k for k, on in (("optim.head_lr_scale", optim.head_lr_scale != 1),
+                            ("train.unfreeze_at", train.unfreeze_at)) if on]
+    head = param_groups.require_head(find_head(network, num_classes), cfg.model.name, keys) if keys else \
+        (find_head(network, num_classes) or (None,))[0]
+    return param_groups.lr_scales(network, optim, head, cfg.model.name, cfg.model.blocks), head, unfreeze

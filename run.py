@@ -23,7 +23,7 @@ import torch
 from engine import EpochHooks, EvalSettings, Step, build_step, compute_settings, evaluate, is_multilabel, \
     sample_metrics, seed_for, train_one_epoch
 from utils import checkpoint as ckpt
-from utils import figures, fsdp, profiling, run_record
+from utils import figures, fsdp, param_groups, profiling, run_record
 from utils import run_dir as run_files
 from utils.cam import gallery_explainer
 from utils.config import config_to_dict
@@ -31,7 +31,7 @@ from utils.data_wait import input_bound_hint
 from utils.distributed_utils import DistInfo, any_rank, broadcast_object
 from utils.errors import OUT_OF_MEMORY, UserError, nondeterministic_op, out_of_memory
 from utils.metrics import classification_report, multilabel_report
-from utils.optim import place_schedule
+from utils.optim import group_lrs, per_group_lrs, place_schedule
 from utils.run_logger import RunLogger, check_run_dir, check_writable, resolve_run_dir, scalar_tag, write_json
 from utils.stop import StopRequest
 
@@ -165,7 +165,8 @@ def _restore(cfg, state, step, layout, classes, dist_info):
         # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps.
         run_state.global_step = run_state.epoch * steps
         place_schedule(step.scheduler, cfg.optim, dist_info.world_size, their_epochs or cfg.train.epochs, steps,
-                       run_state.global_step, global_batch=cfg.train.global_batch)
+                       run_state.global_step, global_batch=cfg.train.global_batch,
+                       unfreeze=(cfg.train.unfreeze_at, cfg.train.unfreeze_warmup))
         notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {steps} "
                      f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {run_state.epoch + 1}'s "
                      "start in this run's steps")
@@ -189,6 +190,7 @@ def _log_start(run, resume_path, notes):
         logger.hparams({**config_to_dict(cfg), **cost}, [scalar_tag(score_key(step.criterion.multilabel)),
                        scalar_tag(best_key(run_state.best_metric)), "val/macro_f1", "val/loss", "train/loss"])
     _write_record(run, resume_path is not None)
+    logger.write_json(run_files.PARAM_GROUPS, param_groups.table(step.net, step.optimizer))
     resume_at = run_state.resume_at
     where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
     logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
@@ -199,7 +201,7 @@ def _log_start(run, resume_path, notes):
         logger.info(note)
     logger.info(f"{len(run.train_loader.dataset)} train / {len(run.val_loader.dataset)} val images, "
                 f"{len(run.classes)} classes, {run.dist_info.world_size} process(es) on {device}, "
-                f"lr {step.optimizer.param_groups[0]['initial_lr']:.4g}, amp {step.amp_dtype or 'off'}"
+                f"lr {_head_group(step.optimizer)['initial_lr']:.4g}, amp {step.amp_dtype or 'off'}"
                 + (f", {step.accum_steps} batches per step" if step.accum_steps > 1 else "")
                 + (f", global batch {cfg.train.global_batch}" if cfg.train.global_batch else "")
                 + (", deterministic" if cfg.train.deterministic else ""))
@@ -209,6 +211,11 @@ def _log_start(run, resume_path, notes):
         logger.info("class weights: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, weight.tolist())))
     if pos_weight is not None:
         logger.info("pos_weight: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, pos_weight.tolist())))
+
+
+def _head_group(optimizer):
+    """The head's group (optim.head_lr_scale's), else the first: whose peak lr the start line names."""
+    return next((g for g in optimizer.param_groups if g.get("head")), optimizer.param_groups[0])
 
 
 def _write_record(run, resumed):
@@ -234,7 +241,12 @@ def _train_epoch(run, epoch):
     run.train_loader.sampler.set_epoch(epoch)
     torch.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
     run.train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
-    lr = run_state.resume_at["lr"] if run_state.resume_at else run.step.optimizer.param_groups[0]["lr"]
+    lr, lowest = group_lrs(run.step.optimizer)  # the head's and the lowest group's, at the epoch's start
+    if run_state.resume_at:  # mid-epoch: the lrs of the epoch's first step, from each group's schedule
+        sched, start = run.step.scheduler, run_state.global_step - run_state.resume_at["epoch_step"] // run.step.accum_steps
+        lrs = [base * shape(start) for base, shape in zip(sched.base_lrs, sched.lr_lambdas)]
+        lr, lowest = run_state.resume_at["lr"], min(lrs)
+    per_group = per_group_lrs(run.step.optimizer)
 
     def save_step(epoch_step, global_step, loss_sum, images_seen):
         run.saver.save(dataclasses.replace(run_state, global_step=global_step), epoch_step=epoch_step,
@@ -273,6 +285,7 @@ def _train_epoch(run, epoch):
     key = score_key(run_state.multilabel)
     figure_seconds = _pictures(run, val, worst, pr) if cfg.train.figures else 0.0
     metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
+               **({"lr_lowest": lowest} if per_group else {}),
                best_key(run_state.best_metric): run_state.best_score,
                **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
                "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
@@ -281,6 +294,7 @@ def _train_epoch(run, epoch):
                     f"val_loss {val['val_loss']:.4f}  {key} {val[key]:.4f}  "
                     + (f"val_macro_f1 {val['val_macro_f1']:.4f}  " if run_state.multilabel else "")
                     + (f"{key}_ema {val[key + '_ema']:.4f}  " if run.step.ema is not None else "")
+                    + (f"lr {lr:.3g} (lowest group {lowest:.3g})  " if per_group else "")
                     + f"{train['img_per_s']:.0f} img/s  {metrics['epoch_seconds']:.1f}s")
     if end.input_bound and not run.hinted:
         run.hinted = True

@@ -147,7 +147,8 @@ def test_outputs_present_and_nothing_else(run):
     events = [f for f in files if f.startswith("events.out.tfevents.")]
     assert len(events) == 1, files
     assert sorted(set(files) - set(events)) == ["checkpoints/best.pt", "checkpoints/last.pt",
-                                                "class_indices.json", "config.yaml", "metrics.jsonl", "run_record.json"]
+                                                "class_indices.json", "config.yaml", "metrics.jsonl",
+                                                "param_groups.json", "run_record.json"]
 
 
 def test_outputs_written_once_by_one_process(run):
@@ -158,6 +159,7 @@ def test_outputs_written_once_by_one_process(run):
     count = Counter(Path(w[3]).relative_to(run.run_dir).as_posix() for w in inside)
     assert count["config.yaml"] == 1
     assert count["class_indices.json"] == 1
+    assert count["param_groups.json"] == 1
     assert count["metrics.jsonl"] == run.epochs         # one append per epoch
     assert count["checkpoints/last.pt"] == run.epochs   # one atomic rename per epoch
     assert 1 <= count["checkpoints/best.pt"] <= run.epochs

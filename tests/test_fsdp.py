@@ -113,7 +113,8 @@ def runs(tmp_path_factory):
     data = make_image_folder(root / "flowers")  # 2 ranks x 3 steps per epoch
     # The recipe options that need nothing of FSDP (loss weights, MixUp/CutMix, the balanced sampler) ride along.
     extra = (SMALL, "train.log_every=1", "train.save_every_steps=2", "optim.class_weights=auto",
-             "data.mixup_alpha=0.2", "data.cutmix_alpha=0.2", "data.sampler=balanced")
+             "data.mixup_alpha=0.2", "data.cutmix_alpha=0.2", "data.sampler=balanced",
+             "optim.head_lr_scale=5", "optim.layer_decay=0.9")  # an lr per group, by the blocks FSDP shards
     ddp, sharded, evaluated = root / "ddp", root / "fsdp", root / "fsdp_eval"
     # Two restarts allowed, one expected: an unasked-for second one (a rank that crashed) then still ends the
     # run, for the tests below, and the kill/restart test fails showing it, with PYTHONFAULTHANDLER's stacks.
@@ -150,6 +151,8 @@ def test_a_killed_rank_restarts_from_the_sharded_checkpoint_and_ends_with_ddps_w
     assert [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])] == []
     assert (a["scheduler"], a["global_step"], a["best_acc"]) == (b["scheduler"], b["global_step"], b["best_acc"])
     assert metrics(runs["ddp"]) == metrics(out)
+    groups = [json.loads((run / "param_groups.json").read_text()) for run in (runs["ddp"], out)]
+    assert groups[0] == groups[1] and len({g["lr_scale"] for g in groups[1].values()}) > 2
     shards = sorted(p.name for p in (out / "checkpoints").glob("sharded-*"))
     assert shards == [b["sharded"]] and not list((out / "checkpoints").glob(".*.tmp"))
 

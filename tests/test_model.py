@@ -301,7 +301,8 @@ def test_pretrained_missing_from_the_cache_is_one_line_before_any_data(tmp_path,
 
 def test_finetune_recipe_states_only_what_differs(hub_cache):
     cfg = load_config(["--config", str(REPO / "configs" / "finetune.yaml"), "model.name=resnet18"])
-    assert (cfg.model.pretrained, cfg.optim.name, cfg.optim.label_smoothing) == ("DEFAULT", "adamw", 0.1)
+    assert (cfg.model.pretrained, cfg.optim.name, cfg.optim.label_smoothing, cfg.optim.head_lr_scale) == \
+        ("DEFAULT", "adamw", 0.1, 10.0)
     assert cfg.optim.lr < load_config([]).optim.lr
 
 

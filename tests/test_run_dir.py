@@ -9,11 +9,12 @@ from utils import run_dir as run_files
 
 
 def test_a_finished_run_holds_only_what_run_dir_names(trained_run):
-    """The shared run (3 epochs, train.keep_last=3, pictures on): config, record, classes, metrics,
+    """The shared run (3 epochs, train.keep_last=3, pictures on): config, record, classes, metrics, lr groups,
     TensorBoard's event file, and checkpoints/ with last.pt, best.pt and one epoch_NNN.pt per epoch."""
     run = trained_run["run_dir"]
     top = {p.name for p in run.iterdir()}
-    named = {run_files.CONFIG, run_files.RECORD, run_files.CLASSES, run_files.METRICS, run_files.CHECKPOINTS}
+    named = {run_files.CONFIG, run_files.RECORD, run_files.CLASSES, run_files.METRICS, run_files.PARAM_GROUPS,
+             run_files.CHECKPOINTS}
     events = {name for name in top if name.startswith("events.out.tfevents.")}
     others = top - named - events - {run_files.EVAL, run_files.PREDICTIONS}  # later tests may add these two
     assert named <= top and len(events) == 1 and not others, sorted(top)

@@ -86,6 +86,8 @@ class OptimConfig:
     label_smoothing: float = MISSING
     clip_grad_norm: float = MISSING
     class_weights: Any = MISSING
+    head_lr_scale: float = MISSING
+    layer_decay: float = MISSING
 
 
 @dataclass
@@ -110,6 +112,8 @@ class TrainConfig:
     best_metric: str = MISSING
     best_mode: str = MISSING
     early_stop_patience: int = MISSING
+    unfreeze_at: int = MISSING
+    unfreeze_warmup: float = MISSING
 
 
 @dataclass
@@ -315,6 +319,17 @@ def _check_ranges(cfg):
                         f"(batch size x processes)); drop train.accum_steps={cfg.train.accum_steps}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
+    if not cfg.optim.head_lr_scale > 0:
+        bad("optim.head_lr_scale", f"{cfg.optim.head_lr_scale}; the head's lr over the body's, more than 0 (1 = the same)")
+    if not 0.0 < cfg.optim.layer_decay <= 1.0:
+        bad("optim.layer_decay", f"{cfg.optim.layer_decay}; in (0, 1], e.g. 0.75 (1 = off)")
+    if not 0 <= cfg.train.unfreeze_at < cfg.train.epochs:
+        bad("train.unfreeze_at", f"{cfg.train.unfreeze_at}; 0 (off) or an epoch before train.epochs={cfg.train.epochs}")
+    if cfg.train.unfreeze_warmup < 0:
+        bad("train.unfreeze_warmup", f"{cfg.train.unfreeze_warmup}; 0 (at once) or a number of epochs")
+    if cfg.train.unfreeze_at and cfg.model.freeze_layers:
+        raise UserError("train.unfreeze_at holds the body at lr 0 for some epochs, model.freeze_layers for all of "
+                        "them; set one of the two")
     if cfg.train.early_stop_patience < 0:
         bad("train.early_stop_patience", f"{cfg.train.early_stop_patience}; 0 (off) or a number of epochs")
     for key in ("data.mixup_alpha", "data.cutmix_alpha"):

@@ -43,7 +43,7 @@ def accumulation(train_cfg, world_size):
                     f"= {per_step} images per micro-batch; use {fix}", every_rank=True)
 
 
-def build_optimizer(model, optim_cfg, world_size=1, fused=False, global_batch=0):
+def build_optimizer(model, optim_cfg, world_size=1, fused=False, global_batch=0, lr_scales=None, head=()):
     """optim.name over the trainable tensors; lr scaled by world size under the linear scaling rule.
 
     In DDP each process sees `batch_size` images, so the global batch is
@@ -53,18 +53,54 @@ def build_optimizer(model, optim_cfg, world_size=1, fused=False, global_batch=0)
     fused kernel; with a plain optimizer it copies that flag to the host every step.
     sgd: one group, decay on every tensor (the default recipe, and its checkpoints, unchanged).
     adamw: decay only on weights, not on norm layers and biases (decay_groups).
+    lr_scales ({parameter name: scale}, utils/param_groups.py) splits each of those groups by scale, and
+    the head's parameters (names in `head`) from the body's: group["lr_scale"], group["head"] (scaled_groups).
     """
     lr = scaled_lr(optim_cfg, world_size, global_batch)
     cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optim_cfg.name]
     extra = {"fused": True} if fused and "fused" in inspect.signature(cls).parameters else {}
     if optim_cfg.name == "sgd":
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=optim_cfg.momentum,
-                                    weight_decay=optim_cfg.weight_decay, **extra)
+        groups = [{"params": params, "weight_decay": optim_cfg.weight_decay}]
+        extra["momentum"] = optim_cfg.momentum
     else:
-        optimizer = torch.optim.AdamW(decay_groups(model, optim_cfg.weight_decay), lr=lr, **extra)
+        groups = decay_groups(model, optim_cfg.weight_decay)
+    if lr_scales is not None:
+        groups = scaled_groups(model, groups, lr_scales, head, lr)
+    optimizer = cls(groups if lr_scales is not None or optim_cfg.name == "adamw" else groups[0]["params"],
+                    lr=lr, **({"weight_decay": optim_cfg.weight_decay} if optim_cfg.name == "sgd" else {}), **extra)
     zero_momentum(optimizer)
     return optimizer
+
+
+def scaled_groups(model, groups, lr_scales, head, lr):
+    """Each weight-decay group split by lr scale, the head apart from the body (train.unfreeze_at holds
+    the body alone at lr 0): in order of first appearance, so all scales 1 keep one group per decay
+    group, the head's only where it differs or where asked. group["lr"] = lr x its scale, which
+    LambdaLR keeps as the group's initial_lr: the schedule scales each group by its own factor."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    out = []
+    for group in groups:
+        parts = {}
+        for p in group["params"]:
+            name = names[id(p)]
+            parts.setdefault((lr_scales[name], name in head), []).append(p)
+        out += [{**group, "params": params, "lr": lr * scale, "lr_scale": scale, "head": is_head}
+                for (scale, is_head), params in parts.items()]
+    return out
+
+
+def per_group_lrs(optimizer):
+    """Whether the groups have lrs of their own (scaled_groups made them): the lowest is then shown too."""
+    return any("head" in group for group in optimizer.param_groups)
+
+
+def group_lrs(optimizer):
+    """(the head's lr, the lowest group's lr) now: what the epoch line and TensorBoard show. Without a
+    head group (all scales 1), the first group's for both."""
+    groups = optimizer.param_groups
+    head = next((g["lr"] for g in groups if g.get("head")), groups[0]["lr"])
+    return head, min(g["lr"] for g in groups)
 
 
 def zero_momentum(optimizer):
@@ -144,41 +180,62 @@ def lr_factor(step, total_steps, warmup_steps, lrf):
 
 
 class WarmupCosine:
-    """Picklable lr_lambda, so the schedule lives in the scheduler's state, not in a closure."""
+    """Picklable lr_lambda, so the schedule lives in the scheduler's state, not in a closure.
 
-    def __init__(self, total_steps, warmup_steps, lrf):
+    frozen_steps, ramp_steps (train.unfreeze_at, train.unfreeze_warmup, on the body's groups): 0 for the
+    first frozen_steps, then a linear ramp to the schedule over ramp_steps."""
+
+    def __init__(self, total_steps, warmup_steps, lrf, frozen_steps=0, ramp_steps=0):
         self.total_steps, self.warmup_steps, self.lrf = total_steps, warmup_steps, lrf
+        self.frozen_steps, self.ramp_steps = frozen_steps, ramp_steps
 
     @classmethod
-    def for_run(cls, optim_cfg, epochs, steps_per_epoch):
+    def for_run(cls, optim_cfg, epochs, steps_per_epoch, unfreeze_at=0, unfreeze_warmup=0.0):
         """The schedule of `epochs` x `steps_per_epoch` optimizer steps, optim.warmup_epochs of them
-        (rounded to whole steps) warming up."""
-        return cls(epochs * steps_per_epoch, int(round(optim_cfg.warmup_epochs * steps_per_epoch)), optim_cfg.lrf)
+        (rounded to whole steps) warming up; with unfreeze_at=K the first K epochs at 0, then
+        unfreeze_warmup epochs (rounded to whole steps) ramping up."""
+        return cls(epochs * steps_per_epoch, int(round(optim_cfg.warmup_epochs * steps_per_epoch)), optim_cfg.lrf,
+                   unfreeze_at * steps_per_epoch, int(round(unfreeze_warmup * steps_per_epoch)))
 
     def __call__(self, step):
-        return lr_factor(step, self.total_steps, self.warmup_steps, self.lrf)
+        factor = lr_factor(step, self.total_steps, self.warmup_steps, self.lrf)
+        if step < self.frozen_steps:
+            return 0.0
+        if step - self.frozen_steps < self.ramp_steps:
+            return factor * (step - self.frozen_steps + 1) / self.ramp_steps
+        return factor
 
 
-def build_scheduler(optimizer, optim_cfg, epochs, steps_per_epoch):
-    """Stepped once per optimizer step (not per epoch), so warm-up can be a fraction of an epoch."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine.for_run(optim_cfg, epochs, steps_per_epoch))
+def _shapes(groups, optim_cfg, epochs, steps_per_epoch, unfreeze):
+    """One WarmupCosine per group: the body's (not group["head"]) held at 0 by train.unfreeze_at."""
+    return [WarmupCosine.for_run(optim_cfg, epochs, steps_per_epoch,
+                                 *(unfreeze if unfreeze[0] and not group.get("head", True) else (0, 0.0)))
+            for group in groups]
 
 
-def place_schedule(scheduler, optim_cfg, world_size, epochs, steps_per_epoch, step, global_batch=0):
+def build_scheduler(optimizer, optim_cfg, epochs, steps_per_epoch, unfreeze=(0, 0.0)):
+    """Stepped once per optimizer step (not per epoch), so warm-up can be a fraction of an epoch.
+    unfreeze: (train.unfreeze_at, train.unfreeze_warmup) for the body's groups."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _shapes(optimizer.param_groups, optim_cfg, epochs,
+                                                                steps_per_epoch, unfreeze))
+
+
+def place_schedule(scheduler, optim_cfg, world_size, epochs, steps_per_epoch, step, global_batch=0,
+                   unfreeze=(0, 0.0)):
     """Re-place a restored schedule for this run's layout, at global step `step`.
 
     A checkpoint of another world size or batch size counts its schedule in its own
     steps per epoch and scales lr for its own world size (optim.scale_lr); kept as is,
-    the cosine would end early or late. The optimizer's lr follows at once.
+    the cosine would end early or late. The optimizer's lr follows at once, each group's
+    times its own lr scale (optim.head_lr_scale, optim.layer_decay).
     """
     base = scaled_lr(optim_cfg, world_size, global_batch)
-    shape = WarmupCosine.for_run(optim_cfg, epochs, steps_per_epoch)
     groups = scheduler.optimizer.param_groups
-    scheduler.lr_lambdas = [shape] * len(groups)
-    scheduler.base_lrs = [base] * len(groups)
+    scheduler.lr_lambdas = _shapes(groups, optim_cfg, epochs, steps_per_epoch, unfreeze)
+    scheduler.base_lrs = [base * group.get("lr_scale", 1.0) for group in groups]
     scheduler.last_epoch = step
-    for group in groups:
-        group["initial_lr"], group["lr"] = base, base * shape(step)
+    for group, initial, shape in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = initial, initial * shape(step)
     scheduler._last_lr = [group["lr"] for group in groups]
 
 

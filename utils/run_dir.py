@@ -5,6 +5,7 @@ tools/, benchmarks/, the tests) take their paths from here.
     RUN/config.yaml          the resolved config               RUN/run_record.json   what it ran on
     RUN/class_indices.json   {"0": "daisy", ...}               RUN/metrics.jsonl     one line per epoch
     RUN/eval.json            --eval-only's report              RUN/predictions.csv   predict.py's default --out
+    RUN/param_groups.json    each trained parameter's lr scale and weight decay (utils/param_groups.py)
     RUN/confusion_matrix.png, worst_mistakes.png (per_label_f1.png multi-label): --eval-only's pictures
     RUN/job.log              a kfold fold's or sweep trial's output (utils/jobs.py)
     RUN/events.out.tfevents.* TensorBoard
@@ -18,6 +19,7 @@ RECORD = "run_record.json"
 CLASSES = "class_indices.json"
 METRICS = "metrics.jsonl"
 EVAL = "eval.json"
+PARAM_GROUPS = "param_groups.json"
 PREDICTIONS = "predictions.csv"
 # --eval-only's pictures (a training run's go to TensorBoard): single-label, and a multi-label run's bars.
 CONFUSION_PNG, WORST_PNG, F1_BARS_PNG = "confusion_matrix.png", "worst_mistakes.png", "per_label_f1.png"
