@@ -43,7 +43,8 @@ def write_shard(out, i, rows):
     final = Path(out) / shard_name(i)
     if not final.exists():
         tmp = final.with_suffix(".tar.part")
-        with wds.TarWriter(str(tmp)) as sink:
+        # mtime fixed and no encoding: the same images give the same bytes, so the same MD5s and digest.
+        with wds.TarWriter(str(tmp), encoder=False, mtime=0) as sink:
             for key, path, meta in rows:
                 ext = Path(path).suffix.lower().lstrip(".") or "img"
                 sink.write({"__key__": key, ext: Path(path).read_bytes(), "json": json.dumps(meta).encode()})

@@ -170,9 +170,9 @@ class ShardReader:
         self.location = str(location)
         self.shards = [{"url": join(location, s["url"]), "nsamples": s["nsamples"]} for s in index["shardlist"]]
         sizes = {join(location, s["url"]): s.get("filesize") for s in index["shardlist"]}
-        # One cache folder per set of shards: two data sets with shards of the same name do not meet.
-        digest = index.get("digest") or hashlib.sha256(self.location.encode()).hexdigest()
-        self.fetcher = Fetcher(os.path.join(cache_dir, digest[:16]), cache_bytes, retries, sizes)
+        # One cache folder per set of shards and place: shards of the same name elsewhere do not meet.
+        key = hashlib.sha256(f"{index.get('digest')}\n{self.location}".encode()).hexdigest()[:16]
+        self.fetcher = Fetcher(os.path.join(cache_dir, key), cache_bytes, retries, sizes)
         self.ends = np.cumsum([s["nsamples"] for s in self.shards])
         self._wids, self._pid = None, None
 
