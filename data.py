@@ -19,7 +19,9 @@ Two layouts are accepted under `data.path`:
     root/train/, root/val/ and root/test/                              test/ is what --eval-only evaluates
 
 or a label file (data.labels, utils/label_file.py) lists the images under `data.path` and their labels,
-one or several per image, with an optional split column (train/val/test) that fixes the split.
+one or several per image, with an optional split column (train/val/test) that fixes the split;
+or data.shards names tar shards that tools/make_shards.py packed from either, in a folder or at an
+http(s):// URL (utils/shards.py, docs/shards.md): the same images, the same split, read by index.
 
 The split rule, for folders and label files alike, is utils/splits.py's: per class, by its own seeded
 generator (or data.folds' stratified folds), so it is the same on every rank and every run, the same for
@@ -36,6 +38,7 @@ import functools
 import os
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +49,7 @@ from torchvision import transforms
 
 from model import use_channels_last
 from utils.config import config_to_dict, load_config
-from utils.decoding import MODES, BadImage, DraftRandomResizedCrop, DraftResize, load_image, load_rgb
+from utils.decoding import MODES, BadImage, DraftRandomResizedCrop, DraftResize, load_image
 from utils.distributed_utils import broadcast_object, gather_objects, get_rank, is_main_process
 from utils.errors import RUNTIME_EXIT, BadImageError, UserError
 from utils.gpu_pipeline import GpuLoader, resolve_pipeline
@@ -54,6 +57,7 @@ from utils.label_file import read_label_file
 from utils.loader import PREFETCH_FACTOR, PersistentLoader, collate, reseed_worker
 from utils.normalization import IMAGENET_MEAN, IMAGENET_STD, imagenet_stats, normalize  # noqa: F401 (data.IMAGENET_*)
 from utils.sample_list import BadStatus, SampleList, verify_images
+from utils.shards import ShardReader, read_index
 from utils.splits import SPLITS, refuse_fixed_split, seeded_split, split_samples
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -69,12 +73,16 @@ class Split:
     ignored: list = field(default_factory=list)   # hidden and non-image files found under the root
     test: SampleList = field(default_factory=SampleList)  # root/test/ or a label file's test rows: for --eval-only
     multilabel: bool = False  # samples are (path, sorted tuple of class indices): data.labels, data.task
+    shards: object = None  # data.shards: a utils.shards.ShardReader, and the samples' paths are the shards' own
+    rows: dict = field(default_factory=dict)  # data.shards: per part (train/val/test), each sample's row in the shards
 
 
 def split_dataset(data_cfg):
     """The data section -> Split: the class folders under data.path, or the label file data.labels, split
     into train and val by data.val_rate or data.folds (utils/splits.py), as data.task says (auto, single
     or multi-label). No collectives: see shared_split."""
+    if data_cfg.shards:
+        return _shard_split(data_cfg)
     if data_cfg.labels:
         return _label_file_split(data_cfg)
     _walk.cache_clear()
@@ -154,6 +162,81 @@ def _label_file_split(data_cfg):
     return split
 
 
+def _shard_split(data_cfg):
+    """data.shards -> Split: the shards' split field fixes the split; without one, the rows are split by the rule
+    folders and label files are (utils/splits.py), on the paths they were packed from: the same split."""
+    where = data_cfg.shards
+    index, rows = read_index(where, data_cfg.shard_retries)
+    classes, multilabel = index["classes"], index["multilabel"]
+    paths = [r["path"] for r in rows]
+    if multilabel:
+        counts = [len(r["label"]) for r in rows]
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        samples = SampleList.from_arrays(paths, label_offsets=offsets,
+                                         label_values=[v for r in rows for v in r["label"]])
+        if data_cfg.task == "single":
+            raise UserError(f"data.task=single, but the images of data.shards '{where}' are multi-label; "
+                            "set data.task=multi (or auto)")
+    else:
+        samples = SampleList.from_arrays(paths, labels=[r["label"] for r in rows])
+    if multilabel or data_cfg.task == "multi":
+        samples = samples.as_multilabel()
+    codes = np.array([SPLITS.index(r["split"]) if r.get("split") else -1 for r in rows], dtype=np.int64)
+    split = Split(classes, SampleList(), SampleList(), multilabel=samples.multilabel,
+                  shards=ShardReader(where, index, data_cfg.shard_cache or os.path.join(tempfile.gettempdir(),
+                                     "shard_cache"), int(data_cfg.shard_cache_gb * 2**30), data_cfg.shard_retries))
+    if (codes >= 0).any():
+        refuse_fixed_split(data_cfg, f"data.shards '{where}' carry a split", "make the shards from unsplit data")
+        for code, part in enumerate(SPLITS):
+            split.rows[part] = np.flatnonzero(codes == code)
+    else:
+        if data_cfg.folds and index.get("source") == "folders":
+            # As split_dataset does for folders: their folds are made in the seeded per-class order.
+            order = seeded_split(samples, classes, data_cfg.split_seed, lambda name, n: 0)[0]
+        else:
+            order = np.arange(len(samples))
+        groups = [r.get("group") for r in rows]
+        groups = [groups[i] for i in order] if any(g is not None for g in groups) else None
+        ordered = samples.take(order)
+        at = {p: i for i, (p, _) in enumerate(ordered)}
+        parts = split_samples(ordered, classes, data_cfg, groups, warn)
+        for part, picked in zip(SPLITS, parts):
+            split.rows[part] = order[np.array([at[p] for p, _ in picked], dtype=np.int64)]
+    for part in SPLITS:
+        setattr(split, part, samples.take(split.rows.get(part, np.zeros(0, dtype=np.int64))))
+    if not len(split.train) or not len(split.val):
+        raise UserError(f"data.shards '{where}' hold {len(split.train)} training and {len(split.val)} validation "
+                        "images; each needs at least one")
+    _warn_unseen_labels(split, f"data.shards '{where}'")
+    return split
+
+
+def all_samples(path, labels=None):
+    """Every image under `path` (class folders, or a root with train/ val/ [test/]), or each row of the label
+    file `labels`, before any split: (SampleList, class names, split per row (an index into SPLITS, -1 = none),
+    group per row or None). What tools/make_shards.py packs."""
+    if labels:
+        table = read_label_file(labels, path)
+        codes = table.split.astype(np.int64) if table.split is not None else np.full(len(table.samples), -1)
+        return table.samples, table.classes, codes, table.groups
+    _walk.cache_clear()
+    root = Path(path)
+    if not root.is_dir():
+        raise UserError(f"'{root}' does not exist or is not a folder")
+    top = _class_dirs(root)
+    if top in (["train", "val"], ["test", "train", "val"]):
+        classes = _non_empty_classes(root / "train", _class_dirs(root / "train"))
+        parts = [(code, _scan(root / part, classes, [])) for code, part in enumerate(SPLITS) if part in top]
+    else:
+        classes = _non_empty_classes(root, top)
+        parts = [(-1, _scan(root, classes, []))]
+    rows = [(p, label, code) for code, part in parts for p, label in part]
+    if len(classes) < 2 or not rows:
+        raise UserError(f"'{root}' holds {len(classes)} class folder(s) with images; shards need at least 2")
+    samples = SampleList.from_arrays([p for p, _, _ in rows], labels=[label for _, label, _ in rows])
+    return samples, classes, np.array([c for _, _, c in rows], dtype=np.int64), None
+
+
 def _warn_unseen_labels(split, labels):
     """A label with no training image cannot be learnt: say which, before training."""
     def counts(samples):
@@ -186,8 +269,9 @@ def shared_split(data_cfg):
         raise UserError(result[1], exit_code=result[2], every_rank=True)
     split = result[1]
     # A label file's images may lie anywhere (absolute paths): the first images are the probe.
-    probes = [] if data_cfg.labels else [str(data_cfg.path)]
-    probes += [samples[0][0] for samples in (split.train, split.val) if len(samples)]
+    probes = [] if data_cfg.labels or data_cfg.shards else [str(data_cfg.path)]
+    # Shards are read by each process as it needs them; a shard it cannot reach stops it, named (utils/shards.py).
+    probes += [samples[0][0] for samples in (split.train, split.val) if len(samples) and not data_cfg.shards]
     mine = None if all(os.path.exists(p) for p in probes) else node_name()
     missing = sorted({name for name in gather_objects(mine) if name})
     if missing:
@@ -255,6 +339,10 @@ def build_datasets(data_cfg, eval_only=False):
         split.train, split.val = SampleList(), split.test if len(split.test) else split.val
     train, val = split.train, split.val
     known_bad = 0
+    if data_cfg.verify and split.shards is not None:
+        raise UserError("data.verify=true decodes image files before training, and data.shards has none; an "
+                        "unreadable image in a shard is counted in bad_images when met: set data.verify=false",
+                        every_rank=True)
     if data_cfg.verify:
         bad = verify_images([p for s in (train, val) for p, _ in s], data_cfg.max_image_pixels)
         for _, why in bad:
@@ -273,11 +361,17 @@ def build_datasets(data_cfg, eval_only=False):
                                         data_cfg.channels)
     opts = dict(bad_image=data_cfg.bad_image, max_pixels=data_cfg.max_image_pixels, channels=data_cfg.channels,
                 num_classes=len(split.classes))
-    held_out = ImageList(val, val_tf, **opts)
+    if split.shards is not None:
+        part = "test" if eval_only and len(split.test) else "val"
+        lists = {"train": functools.partial(ShardImageList, rows=split.rows.get("train"), reader=split.shards),
+                 "val": functools.partial(ShardImageList, rows=split.rows.get(part), reader=split.shards)}
+    else:
+        lists = {"train": ImageList, "val": ImageList}
+    held_out = lists["val"](val, val_tf, **opts)
     held_out.split = "test" if eval_only and len(split.test) else "val"
     # data.pipeline's choice is the training transform's; the held-out loader takes the same path.
     held_out.train_transform = train_tf
-    train_set = None if eval_only else ImageList(train, train_tf, known_bad=known_bad, **opts)
+    train_set = None if eval_only else lists["train"](train, train_tf, known_bad=known_bad, **opts)
     return train_set, held_out, split.classes
 
 
@@ -335,9 +429,8 @@ class ImageList(Dataset):
             i %= n
             if self.bad_status[i] != BadStatus.NOT_KNOWN:
                 continue
-            path, label = self.samples[i]
             try:
-                img = load_image(path, self.transform, self.max_pixels, MODES[self.channels])
+                img, label = self.load(i, self.transform)
             except BadImage as e:
                 if self.bad_image == "error":
                     raise BadImageError(f"{e}; fix or remove it, or set data.bad_image=warn to skip "
@@ -348,6 +441,11 @@ class ImageList(Dataset):
                 continue
             return img, self.target(label)
         raise UserError(f"none of the {n} images could be read (see the warnings above)", RUNTIME_EXIT)
+
+    def load(self, i, transform=None):
+        """Sample i decoded (through `transform`): (image, label); BadImage if it cannot be."""
+        path, label = self.samples[i]
+        return load_image(path, transform, self.max_pixels, MODES[self.channels]), label
 
     def __getitems__(self, indices):
         """One batch, as DataLoader's workers fetch it; a persistent worker reseeds at an epoch's first."""
@@ -365,11 +463,24 @@ class ImageList(Dataset):
         for i in found:
             if self.bad_status[i] != BadStatus.REPORTED and self.report_now:
                 try:
-                    load_rgb(self.samples[i][0], self.max_pixels)
+                    self.load(i)
                 except BadImage as e:
                     print(f"warning: skipping unreadable image: {e}", file=sys.stderr, flush=True)
         self.bad_status[found] = BadStatus.REPORTED
         return len(found) + self.known_bad
+
+
+class ShardImageList(ImageList):
+    """ImageList over data.shards: sample i is row rows[i] of the shards, its file's bytes read by index
+    (utils/shards.py), decoded as a file's would be. Everything else, bad images included, is ImageList's."""
+
+    def __init__(self, samples, transform=None, rows=None, reader=None, **opts):
+        super().__init__(samples, transform, **opts)
+        self.rows, self.reader = np.asarray(rows, dtype=np.int64), reader
+
+    def load(self, i, transform=None):
+        name, data = self.reader.image(int(self.rows[i]))
+        return load_image(name, transform, self.max_pixels, MODES[self.channels], data=data), self.samples[i][1]
 
 
 # --------------------------------------------------------------------------- loaders
@@ -390,6 +501,12 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     # refuses; a held-out set carries the one it was built beside (build_datasets).
     augment = getattr(dataset, "transform", None) if train else getattr(dataset, "train_transform", None)
     pipeline = resolve_pipeline(data_cfg.pipeline, device, augment)
+    if pipeline == "gpu" and isinstance(dataset, ShardImageList):
+        # Its cache is filled from image files by path; shards have none.
+        if data_cfg.pipeline == "gpu":
+            raise UserError("data.pipeline=gpu reads image files by path, and data.shards has none; use "
+                            "data.pipeline=pil (or auto)", every_rank=True)
+        pipeline = "pil"
     if pipeline == "gpu" and getattr(dataset, "multilabel", False):
         # Its cache and batches carry one class index per image, not a multi-hot vector.
         if data_cfg.pipeline == "gpu":

@@ -25,10 +25,11 @@ TOP_LEVEL = {*GUIDES, "BENCHMARKS.md"}  # the files whose links are relative to 
 GPU_CHECKS = (REPO / "tools" / "gpu_checks.sh").read_text()
 SCREEN = (25, 100)  # rows, columns: a terminal or an unscrolled browser window
 SECTIONS = {  # the sections every guide has, in this order; one list per language, item for item
-    "README.md": ("## Start", "## Which script", "## More than one machine", "## Data", "## Config",
+    "README.md": ("## Start", "## Which script", "## More than one machine", "## Data",
+                  "## Data bigger than a disk", "## Config",
                   "## Make it yours", "## Experiments", "## What a run writes", "## Use the trained model",
                   "## What the parallelism guarantees", "## Resume", "## Bad inputs", "## Performance", "## Files"),
-    "README.zh-CN.md": ("## 快速开始", "## 选哪个脚本", "## 多台机器", "## 数据", "## 配置", "## 改成你自己的", "## 实验",
+    "README.zh-CN.md": ("## 快速开始", "## 选哪个脚本", "## 多台机器", "## 数据", "## 数据比一块硬盘还大", "## 配置", "## 改成你自己的", "## 实验",
                         "## 一次训练写出什么", "## 使用训练好的模型", "## 并行的保证", "## 断点续训", "## 错误输入",
                         "## 性能", "## 文件"),
 }

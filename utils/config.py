@@ -57,6 +57,10 @@ class DataConfig:
     sampler: str = MISSING
     mixup_alpha: float = MISSING
     cutmix_alpha: float = MISSING
+    shards: Optional[str] = MISSING
+    shard_cache: Optional[str] = MISSING
+    shard_cache_gb: float = MISSING
+    shard_retries: int = MISSING
 
 
 @dataclass

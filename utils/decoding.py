@@ -10,6 +10,7 @@ output, no chroma decoded), the pixels torchvision's decode_jpeg and nvJPEG give
 any other file is converted by PIL's luma formula, which is how that plane was made when it was encoded.
 """
 import contextlib
+import io
 import os
 
 import numpy as np
@@ -48,14 +49,14 @@ def _decode_error(path, e):
     return BadImage(f"cannot decode '{path}': {why}")
 
 
-def load_rgb(path, max_pixels=0, undecoded=False, mode="RGB"):
+def load_rgb(path, max_pixels=0, undecoded=False, mode="RGB", data=None):
     """Decode `path` to RGB (mode="L": grey); raise BadImage naming the file if it cannot be decoded.
     undecoded: a JPEG comes back with only its header read (and the mode wanted, as `wanted_mode`), for
-    `decode` to decode at the size needed."""
+    `decode` to decode at the size needed. data: the file's bytes (read from a shard); `path` then names it."""
     try:
-        if os.path.getsize(path) == 0:
+        if (os.path.getsize(path) if data is None else len(data)) == 0:
             raise BadImage(f"'{path}' is empty (0 bytes)")
-        img = Image.open(path)  # reads the header only
+        img = Image.open(path if data is None else io.BytesIO(data))  # reads the header only
         w, h = img.size
         if max_pixels and w * h > max_pixels:
             img.close()
@@ -95,12 +96,13 @@ def decode(img, scale=1):
     return img, (round(w / drafted[1][2]) if drafted else 1)
 
 
-def load_image(path, transform=None, max_pixels=0, mode="RGB"):
-    """`path` decoded to `mode` (RGB or L), through `transform`; BadImage if it cannot be decoded. When the
-    transform begins with a DraftRandomResizedCrop or DraftResize, a JPEG reaches it undecoded, to be
-    decoded only as large as needed."""
+def load_image(path, transform=None, max_pixels=0, mode="RGB", data=None):
+    """`path` (or its bytes, `data`) decoded to `mode` (RGB or L), through `transform`; BadImage if it cannot be
+    decoded. When the transform begins with a DraftRandomResizedCrop or DraftResize, a JPEG reaches it
+    undecoded, to be decoded only as large as needed."""
     first = getattr(transform, "transforms", [transform])[0] if transform is not None else None
-    img = load_rgb(path, max_pixels, undecoded=isinstance(first, (DraftRandomResizedCrop, DraftResize)), mode=mode)
+    img = load_rgb(path, max_pixels, undecoded=isinstance(first, (DraftRandomResizedCrop, DraftResize)), mode=mode,
+                   data=data)
     return img if transform is None else transform(img)
 
 

@@ -1,0 +1,171 @@
+"""data.shards (utils/shards.py, tools/make_shards.py): shards made from folders or a label file train to the same
+numbers as the folders (a bad image among them skipped and counted alike), from a local folder, over HTTP and under
+DDP; a shard that cannot be read stops the run naming it.
+
+    python -m pytest tests/test_shards.py -q
+"""
+import functools
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST_ARGS, make_image_folder, run_entry
+
+# The numbers a run from shards must reproduce exactly; the rest (times, speeds) differ run to run.
+EXACT = ("epoch", "step", "train_loss", "val_loss", "val_acc", "val_top5", "val_count", "val_per_class_acc",
+         "bad_images")
+
+
+def metrics(run_dir):
+    return [{k: row.get(k) for k in EXACT} for row in map(json.loads, (Path(run_dir) / "metrics.jsonl").open())]
+
+
+def make_shards(src, out, *args):
+    proc = run_entry("tools/make_shards.py", src, "--out", out, "--jobs", 2, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"data.shards={Path(out).resolve()}"
+    return out
+
+
+class Server:
+    """A plain HTTP server on localhost for `root`, in a thread: it counts the requests per path, answers 500
+    for the paths in `broken` and sends only half of those in `cut`."""
+
+    def __init__(self, root):
+        self.requests, self.broken, self.cut = {}, set(), set()
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                server.requests[self.path] = server.requests.get(self.path, 0) + 1
+                if self.path in server.broken:
+                    self.send_error(500)
+                elif self.path in server.cut:
+                    data = (Path(root) / self.path.lstrip("/")).read_bytes()[:1000]
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                else:
+                    super().do_GET()
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=root))
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def served(tmp_path):
+    server = Server(tmp_path)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """5 classes x 6 images (25 train / 5 val), one of them not an image, and their shards, 7 images each."""
+    root = tmp_path_factory.mktemp("shards")
+    data = make_image_folder(root / "flowers", per_class=6)
+    (data / "roses" / "roses_002.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    return data, make_shards(data, root / "flowers_shards", "--per-shard", 7)
+
+
+@pytest.mark.slow
+def test_training_from_shards_local_and_over_http_gives_the_folders_numbers_bit_for_bit(folders, tmp_path, served):
+    data, shards = folders
+    base = [*FAST_ARGS, f"data.shard_cache={tmp_path / 'cache'}"]
+    runs = {"folders": ["--data-path", data], "local": [f"data.shards={shards}"],
+            # A cache bound of a few bytes: it keeps only the shard fetched last, and the run still matches.
+            "http": [f"data.shards={served.url}/shards", "data.shard_cache_gb=1e-9"]}
+    (tmp_path / "shards").symlink_to(shards)
+    for name, args in runs.items():
+        proc = run_entry("train.py", *base, *args, "--output-dir", tmp_path / name)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        if name != "folders":
+            assert "skipping unreadable image: cannot decode 'roses/roses_002.jpg' in '" in proc.stderr
+    reference = metrics(tmp_path / "folders")
+    assert len(reference) == 1 and reference[-1]["val_count"] == 5
+    assert reference[-1]["bad_images"] == 1  # the broken file: skipped and counted, from the folders and the shards
+    assert metrics(tmp_path / "local") == reference
+    assert metrics(tmp_path / "http") == reference
+    record = [json.loads((tmp_path / n / "run_record.json").read_text())["data"] for n in runs]
+    assert record[0] == record[1] == record[2]  # the same images and labels, split alike
+    assert served.requests["/shards/shard-000000.tar"] >= 1
+    cached = [p for p in (tmp_path / "cache").rglob("*.tar") if not p.is_symlink()]
+    assert len(cached) == 1, cached
+
+
+@pytest.mark.slow
+def test_ddp_from_shards_over_http_sees_what_ddp_from_folders_sees(folders, tmp_path, served):
+    """2 processes: the same steps and losses as from the folders, and validation counts each of the 5 images
+    once (no padding to 6)."""
+    data, shards = folders
+    (tmp_path / "shards").symlink_to(shards)
+    base = [*FAST_ARGS, f"data.shard_cache={tmp_path / 'cache'}"]
+    for name, args in {"folders": ["--data-path", data], "http": [f"data.shards={served.url}/shards"]}.items():
+        proc = run_entry("train_multi_gpu_ddp.py", *base, *args, "--output-dir", tmp_path / name, nproc=2)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    assert metrics(tmp_path / "http") == metrics(tmp_path / "folders")
+    assert metrics(tmp_path / "http")[-1]["val_count"] == 5
+
+
+@pytest.mark.slow
+def test_a_shard_that_fails_past_its_retries_stops_the_run_in_one_line_naming_it(folders, tmp_path, served):
+    _, shards = folders
+    (tmp_path / "shards").symlink_to(shards)
+    for shard, broken, why in (("shard-000001.tar", served.broken, "HTTP 500"),
+                               ("shard-000000.tar", served.cut, "cut short")):
+        served.requests.clear()
+        broken.add(f"/shards/{shard}")
+        proc = run_entry("train.py", *FAST_ARGS, f"data.shards={served.url}/shards", "data.shard_retries=2",
+                         f"data.shard_cache={tmp_path / shard / 'cache'}", "--output-dir", tmp_path / shard)
+        broken.clear()
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"shard '{served.url}/shards/{shard}' after 2 tries" in errors[0], proc.stderr
+        assert why in errors[0]
+        assert served.requests[f"/shards/{shard}"] == 2
+
+
+@pytest.mark.slow
+def test_make_shards_packs_a_multilabel_label_file_with_its_split_and_groups_and_resumes(tmp_path):
+    data = make_image_folder(tmp_path / "imgs", per_class=3, classes=("a", "b"))
+    rows = ["path,label,split,group", "a/a_000.jpg,cat;dog,train,g1", "a/a_001.jpg,cat,train,g1",
+            "a/a_002.jpg,dog,val,g2", "b/b_000.jpg,dog;bird,train,g3", "b/b_001.jpg,bird,val,", "b/b_002.jpg,cat,test,"]
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    out = make_shards(data, tmp_path / "shards", "--labels", tmp_path / "labels.csv", "--per-shard", 4)
+    index = json.loads((out / "index.json").read_text())
+    assert index["classes"] == ["bird", "cat", "dog"] and index["multilabel"]
+    assert [s["nsamples"] for s in index["shardlist"]] == [4, 2]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples[0] == {"path": "a/a_000.jpg", "label": [1, 2], "split": "train", "group": "g1"}
+    assert [s["split"] for s in samples] == ["train", "train", "val", "train", "val", "test"]
+    # The image's bytes as they were, beside its row.
+    import tarfile
+    with tarfile.open(out / "shard-000000.tar") as tar:
+        assert tar.extractfile("000000000.jpg").read() == (data / "a" / "a_000.jpg").read_bytes()
+    # Started again after a stop: the finished shard is kept, the missing one written again, alike.
+    first = (out / "shard-000000.tar").stat().st_mtime_ns
+    (out / "shard-000001.tar").unlink()
+    make_shards(data, out, "--labels", tmp_path / "labels.csv", "--per-shard", 4)
+    assert (out / "shard-000000.tar").stat().st_mtime_ns == first
+    assert json.loads((out / "index.json").read_text()) == index
+
+
+@pytest.mark.slow
+def test_data_verify_with_shards_is_refused_in_one_line(folders, tmp_path):
+    _, shards = folders
+    proc = run_entry("train.py", *FAST_ARGS, f"data.shards={shards}", "data.verify=true",
+                     "--output-dir", tmp_path / "run")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.verify=true decodes image files")

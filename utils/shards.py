@@ -1,0 +1,206 @@
+"""data.shards: images packed in WebDataset tar shards, on a local disk or at an http(s):// URL, read by index.
+
+    python tools/make_shards.py data/demo_flowers --out data/demo_shards       # prints the value below
+    python train.py --config configs/demo.yaml data.shards=data/demo_shards
+    python -m http.server 8000 -d data &                                       # any web server, or a bucket's URL
+    python train.py --config configs/demo.yaml data.shards=http://localhost:8000/demo_shards
+
+A shard folder holds shard-000000.tar, ... (WebDataset's layout: per image KEY.jpg, the file's bytes as they were,
+and KEY.json, its path, labels, split and group), index.json (wids's descriptor: each shard's name, sample count,
+size and MD5, with the class names beside them) and samples.jsonl (one line per image in shard order: what the
+split needs, so that no shard is read to make it). docs/shards.md compares the engines this was chosen from.
+
+The reader is wids's ShardListDataset (webdataset's indexed reader): image i by index, so the template's samplers
+(DistributedSampler, the unpadded ShardSampler of validation, mid-epoch resume) apply unchanged. A shard at a URL
+is fetched whole into data.shard_cache by `Fetcher` (wids's own fetch runs curl once, without retries, and keeps
+an error page as the shard), retried data.shard_retries times and checked against index.json's size; the cache
+keeps the most recently fetched shards within data.shard_cache_gb. A local shard is read where it lies.
+"""
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlparse
+
+import numpy as np
+
+from utils.errors import RUNTIME_EXIT, UserError
+
+INDEX = "index.json"
+SAMPLES = "samples.jsonl"
+OPEN_SHARDS = 64  # shards each process keeps open (wids's LRU): a miss re-reads a shard's tar headers
+
+
+class ShardError(UserError):
+    """A shard that cannot be read past its retries: a runtime failure. Raised in a DataLoader worker it
+    reaches the main process rebuilt from its class and text alone, so the exit code is the class's."""
+
+    def __init__(self, message, exit_code=RUNTIME_EXIT):
+        super().__init__(message, exit_code)
+
+
+def is_url(location):
+    return urlparse(str(location)).scheme in ("http", "https")
+
+
+def join(base, name):
+    return f"{str(base).rstrip('/')}/{name}" if is_url(base) else os.path.join(base, name)
+
+
+def read_bytes(location, retries=3, timeout=60):
+    """A file's bytes from a path or an http(s) URL, tried `retries` times (a pause that doubles between)."""
+    if not is_url(location):
+        try:
+            with open(location, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ShardError(f"cannot read '{location}': {e.strerror or e}") from None
+    why = None
+    for attempt in range(max(retries, 1)):
+        if attempt:
+            time.sleep(min(0.5 * 2 ** (attempt - 1), 10))
+        try:
+            with urllib.request.urlopen(location, timeout=timeout) as response:
+                return response.read()
+        except urllib.error.HTTPError as e:
+            why = f"HTTP {e.code} {e.reason}"
+        except (urllib.error.URLError, OSError) as e:
+            why = str(getattr(e, "reason", None) or e)
+    raise ShardError(f"cannot read '{location}' after {max(retries, 1)} tries: {why}")
+
+
+def read_index(location, retries=3):
+    """(index.json as a dict, the rows of samples.jsonl as dicts) of the shards at `location` (a folder or URL)."""
+    if not is_url(location) and not os.path.isfile(os.path.join(location, INDEX)):
+        raise UserError(f"data.shards '{location}' holds no {INDEX}; make shards with "
+                        "python tools/make_shards.py SRC --out DIR and set data.shards=DIR")
+    try:
+        index = json.loads(read_bytes(join(location, INDEX), retries))
+        rows = [json.loads(line) for line in read_bytes(join(location, SAMPLES), retries).splitlines() if line]
+    except ShardError as e:
+        raise UserError(f"data.shards: {e}") from None
+    except ValueError as e:
+        raise UserError(f"data.shards '{location}': {INDEX} or {SAMPLES} is not JSON ({e})") from None
+    if len(rows) != sum(s["nsamples"] for s in index["shardlist"]):
+        raise UserError(f"data.shards '{location}': {SAMPLES} lists {len(rows)} images, the shards "
+                        f"{sum(s['nsamples'] for s in index['shardlist'])}; make the shards again")
+    return index, rows
+
+
+class Fetcher:
+    """wids's `localname`: a shard's URL -> a local file wids opens. A URL is fetched into `cache_dir` (once per
+    node: a lock file), retried, checked against the size index.json gives, and the least recently fetched
+    shards are removed past `cache_bytes` (a process that still reads one keeps it: the file is only unlinked).
+    A local shard is linked into the cache, where wids puts its lock files, and read where it lies."""
+
+    def __init__(self, cache_dir, cache_bytes, retries, sizes):
+        self.cache_dir, self.cache_bytes, self.retries, self.sizes = cache_dir, cache_bytes, retries, sizes
+
+    def __call__(self, url):
+        os.makedirs(self.cache_dir, exist_ok=True)
+        local = os.path.join(self.cache_dir, os.path.basename(urlparse(url).path))
+        if not is_url(url):
+            if not os.path.islink(local):
+                with contextlib.suppress(FileExistsError):
+                    os.symlink(os.path.abspath(url), local)
+            if not os.path.isfile(url):
+                raise ShardError(f"cannot read shard '{url}': no such file")
+            return local
+        with open(local + ".fetch", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch per node; the others wait and find it
+            if not os.path.isfile(local):
+                self._fetch(url, local)
+        self._evict(keep=local)
+        return local
+
+    def _fetch(self, url, local):
+        want, why = self.sizes.get(url), None
+        for attempt in range(max(self.retries, 1)):
+            if attempt:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 10))
+            fd, tmp = tempfile.mkstemp(dir=self.cache_dir, suffix=".part")
+            try:
+                with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+                    while chunk := response.read(1 << 20):
+                        out.write(chunk)
+                got = os.path.getsize(tmp)
+                if want is not None and got != want:
+                    why = f"{got} bytes where index.json says {want} (cut short)"
+                    continue
+                os.replace(tmp, local)
+                return
+            except urllib.error.HTTPError as e:
+                why = f"HTTP {e.code} {e.reason}"
+            except (urllib.error.URLError, OSError) as e:
+                why = str(getattr(e, "reason", None) or e)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        raise ShardError(f"cannot read shard '{url}' after {max(self.retries, 1)} tries: {why}; when it is "
+                         "back, continue with --resume auto")
+
+    def _evict(self, keep):
+        files = []
+        for entry in os.scandir(self.cache_dir):
+            if entry.name.endswith(".tar") and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    stat = entry.stat(follow_symlinks=False)
+                    files.append((stat.st_mtime, stat.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.cache_bytes:
+                break
+            if path != keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                total -= size
+
+
+class ShardReader:
+    """Image `row` of the shards -> (a name for messages, the image file's bytes), through wids's ShardListDataset,
+    opened in each process that reads (a forked loader worker opens its own)."""
+
+    def __init__(self, location, index, cache_dir, cache_bytes, retries):
+        self.location = str(location)
+        self.shards = [{"url": join(location, s["url"]), "nsamples": s["nsamples"]} for s in index["shardlist"]]
+        sizes = {join(location, s["url"]): s.get("filesize") for s in index["shardlist"]}
+        # One cache folder per set of shards and place: shards of the same name elsewhere do not meet.
+        key = hashlib.sha256(f"{index.get('digest')}\n{self.location}".encode()).hexdigest()[:16]
+        self.fetcher = Fetcher(os.path.join(cache_dir, key), cache_bytes, retries, sizes)
+        self.ends = np.cumsum([s["nsamples"] for s in self.shards])
+        self._wids, self._pid = None, None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_wids": None, "_pid": None}
+
+    def _dataset(self):
+        if self._wids is None or self._pid != os.getpid():
+            import wids  # here: only data.shards needs it
+            # wids prints a summary line on each opening; one per worker is noise.
+            with contextlib.redirect_stderr(io.StringIO()):
+                self._wids = wids.ShardListDataset(self.shards, localname=self.fetcher, transformations=[],
+                                                   lru_size=min(len(self.shards), OPEN_SHARDS))
+            self._wids.check_cache_misses = lambda: None  # its "miss rate" line: random order misses by design
+            self._pid = os.getpid()
+        return self._wids
+
+    def shard_of(self, row):
+        return self.shards[int(np.searchsorted(self.ends, row, side="right"))]["url"]
+
+    def image(self, row):
+        try:
+            sample = self._dataset()[row]
+        except ShardError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a truncated or garbled tar: the shard's fault, named
+            raise ShardError(f"cannot read shard '{self.shard_of(row)}': {type(e).__name__}: {e}") from None
+        files = {k: v.getvalue() if hasattr(v, "getvalue") else v for k, v in sample.items() if not k.startswith("__")}
+        meta = json.loads(files.pop(".json"))
+        data = next(iter(files.values()), b"")  # the image file: the sample's one other member
+        return f"{meta['path']}' in '{sample['__shard__']}", data
