@@ -136,8 +136,12 @@ def main(argv=None):
            {"output": "logits (softmax gives probabilities)", "activation": "softmax", "multilabel": False}),
         "input_size": [channels, size, size], "resize": resize,
         "mean": list(mean), "std": list(std),
-        "preprocess": f"{'grey (L)' if channels == 1 else 'RGB'}, resize shorter side to `resize`, "
-                      f"center-crop `input_size`, {FORMULA}",
+        # What predict_onnx.py's preprocessing follows (predict.py's, step for step).
+        "channels": channels, "crop": size, "interpolation": "bilinear", "exif_orientation": True,
+        "max_image_pixels": int(data_cfg["max_image_pixels"]),
+        "preprocess": f"EXIF orientation applied, {'grey (L)' if channels == 1 else 'RGB'}, resize shorter side "
+                      f"to `resize` (bilinear, antialiased; a JPEG decoded at 1/2, 1/4 or 1/8 where that still "
+                      f"leaves the resized size), center-crop `crop`, {FORMULA}",
     }, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{args.format}: {out} (+ {sidecar.name}); max abs diff vs PyTorch on a batch of 3: {diff:.2e}")
     if args.speed_repeats:
