@@ -12,6 +12,13 @@ the file is put in place its outputs are compared with PyTorch's on a batch of
 another size than the one exported with; the max abs diff is printed, and over
 1e-4 nothing is written.
 
+Then on real images, the way a deployment runs it: the run's validation images (or --check-images DIR,
+a class-per-folder tree or a plain folder; at most --check-limit of them) go through predict_onnx.py's
+preprocessing (the sidecar's, without torch) into the exported file, and through predict.py's transform
+into the PyTorch model. It prints the top-1 agreement, the largest probability difference and both
+accuracies; over --check-tolerance (default 1e-3) of probability, nothing is written. Without
+validation images at hand (the data is elsewhere) the step says so and is skipped.
+
 Then its speed: the median latency of the exported file (in ONNX Runtime, or TorchScript) against the
 eager model, on the same random inputs, batch 1 and batch 32, on the CPU the export runs on. The
 two alternate call by call (eager, exported, eager, ...), so a load change on a shared machine
@@ -27,15 +34,71 @@ from pathlib import Path
 
 import torch
 
-from data import build_transforms, trained_data_config
+import numpy as np
+from omegaconf import OmegaConf
+
+import predict_onnx
+from data import build_transforms, split_dataset, trained_data_config
 from model import load_trained
 from utils.cli import ArgumentParser, cli_entry
+from utils.decoding import MODES, BadImage, load_image
 from utils.errors import RUNTIME_EXIT, UserError
-from utils.normalization import FORMULA, mean_std
+from utils.normalization import FORMULA, mean_std, model_input, normalization_of
 
 FORMATS = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
 TOLERANCE = 1e-4
 SPEED_BATCHES = (1, 32)
+CHECK_TOLERANCE = 1e-3  # the largest probability difference on real images before nothing is written
+CHECK_BATCH = 32
+
+
+def images_to_check(check_dir, data_cfg, classes, limit):
+    """([(path, class index or None)], where they came from), or ([], why not): --check-images DIR (an
+    image's label is its folder's name where that is a class) or the run's validation split."""
+    if check_dir:
+        paths = predict_onnx.find_images([check_dir])[:limit]
+        return [(p, classes.index(Path(p).parent.name) if Path(p).parent.name in classes else None)
+                for p in paths], f"image(s) of {check_dir}"
+    try:
+        split = split_dataset(OmegaConf.create(data_cfg))
+    except UserError as e:
+        return [], f"no validation images at hand ({str(e).split(';')[0]}); --check-images DIR checks on yours"
+    labels = [None if split.multilabel else label for _, label in split.val]
+    return list(zip([p for p, _ in split.val], labels))[:limit], "validation image(s)"
+
+
+def check_on_images(model, run, items, spec, transform, mode, max_pixels):
+    """Each image through predict_onnx.py's preprocessing into `run` (the exported file) and through
+    predict.py's transform into `model` -> (images, top-1 agreements, largest probability difference,
+    PyTorch's correct, the export's correct, labelled images)."""
+    norm = normalization_of(transform, torch.device("cpu"))
+    seen = agree = right_torch = right_export = labelled = 0
+    largest = 0.0
+    for start in range(0, len(items), CHECK_BATCH):
+        ours, theirs, labels = [], [], []
+        for path, label in items[start:start + CHECK_BATCH]:
+            try:
+                theirs.append(load_image(path, transform, max_pixels, mode))
+                ours.append(predict_onnx.preprocess(path, spec))
+                labels.append(label)
+            except (BadImage, predict_onnx.BadImage):
+                del theirs[len(ours):]
+        if not ours:
+            continue
+        with torch.inference_mode():
+            p_torch = predict_onnx.probabilities(model(model_input(torch.stack(theirs), torch.device("cpu"), norm))
+                                                 .float().numpy(), spec)
+            p_export = predict_onnx.probabilities(run(torch.from_numpy(np.stack(ours))).float().numpy(), spec)
+        top_torch, top_export = p_torch.argmax(1), p_export.argmax(1)
+        seen += len(ours)
+        agree += int((top_torch == top_export).sum())
+        largest = max(largest, float(np.abs(p_torch - p_export).max()))
+        for label, a, b in zip(labels, top_torch, top_export):
+            if label is not None:
+                labelled += 1
+                right_torch += int(a == label)
+                right_export += int(b == label)
+    return seen, agree, largest, right_torch, right_export, labelled
 
 
 def export_torchscript(model, example, path):
@@ -97,11 +160,22 @@ def main(argv=None):
     ap.add_argument("--out", help="output file (default: beside the checkpoint, .torchscript.pt or .onnx)")
     ap.add_argument("--speed-repeats", type=int, default=10, metavar="N",
                     help="latency vs eager: N interleaved calls each at batch 1 and 32 (default 10; 0: skip)")
+    ap.add_argument("--check-images", metavar="DIR",
+                    help="the real images to check the file on (default: the run's validation images)")
+    ap.add_argument("--check-limit", type=int, default=512, metavar="N",
+                    help="check on at most N real images (default 512; 0: skip the real-image check)")
+    ap.add_argument("--check-tolerance", type=float, default=CHECK_TOLERANCE, metavar="P",
+                    help=f"largest probability difference on real images before nothing is written "
+                         f"(default {CHECK_TOLERANCE:g})")
     args = ap.parse_args(argv)
     if args.format not in FORMATS:
         raise UserError(f"unknown --format '{args.format}'; choose torchscript or onnx")
     if args.speed_repeats < 0:
         raise UserError(f"--speed-repeats {args.speed_repeats}: give a count of calls, or 0 to skip the timing")
+    if args.check_limit < 0 or not args.check_tolerance >= 0:
+        raise UserError("--check-limit and --check-tolerance take a number of 0 or more")
+    if args.check_images and not Path(args.check_images).is_dir():
+        raise UserError(f"--check-images '{args.check_images}' is not a folder")
     model, classes, config, ckpt_path = load_trained(args.source)
     out = Path(args.out) if args.out else ckpt_path.with_suffix(FORMATS[args.format])
     if not out.parent.is_dir():
@@ -109,7 +183,29 @@ def main(argv=None):
     data_cfg = trained_data_config(config)
     size, resize, channels = int(data_cfg["img_size"]), int(data_cfg["val_resize"]), int(data_cfg["channels"])
     # What predict.py and evaluation normalise with.
-    mean, std = mean_std(build_transforms(size, resize, channels=channels)[1])
+    transform = build_transforms(size, resize, channels=channels)[1]
+    mean, std = mean_std(transform)
+    multilabel = getattr(model, "multilabel", False)
+    spec = {
+        "format": args.format, "checkpoint": str(ckpt_path), "model": config.get("model", {}).get("name"),
+        "classes": classes, "input": "images",
+        **({"output": "logits (sigmoid gives each label's probability; a label is predicted at or above its threshold)",
+            "activation": "sigmoid", "multilabel": True,
+            "thresholds": model.thresholds}
+           if multilabel else
+           {"output": "logits (softmax of logits / temperature gives probabilities)", "activation": "softmax",
+            "multilabel": False, "temperature": 1.0}),
+        "input_size": [channels, size, size], "resize": resize,
+        "mean": list(mean), "std": list(std),
+        # What predict_onnx.py's preprocessing follows (predict.py's, step for step).
+        "channels": channels, "crop": size, "interpolation": "bilinear", "exif_orientation": True,
+        "max_image_pixels": int(data_cfg["max_image_pixels"]),
+        "preprocess": f"EXIF orientation applied, {'grey (L)' if channels == 1 else 'RGB'}, resize shorter side "
+                      f"to `resize` (bilinear, antialiased; a JPEG decoded at 1/2, 1/4 or 1/8 where that still "
+                      f"leaves the resized size), center-crop `crop`, {FORMULA}",
+    }
+    items, source = (images_to_check(args.check_images, data_cfg, classes, args.check_limit)
+                     if args.check_limit else ([], "--check-limit 0"))
 
     gen = torch.Generator().manual_seed(0)
     example = torch.randn(2, channels, size, size, generator=gen)
@@ -122,24 +218,27 @@ def main(argv=None):
         if not diff <= TOLERANCE:
             raise UserError(f"the exported model differs from PyTorch by {diff:.3g} (> {TOLERANCE}); "
                             "nothing written", exit_code=RUNTIME_EXIT)
+        print(f"{args.format}: max abs diff vs PyTorch on a batch of 3 random inputs: {diff:.2e}", flush=True)
+        if items:
+            seen, agree, largest, right_torch, right_export, labelled = check_on_images(
+                model, run, items, spec, transform, MODES[channels], int(data_cfg["max_image_pixels"]))
+            accuracy = (f"; accuracy {right_torch / labelled:.4f} (PyTorch) and {right_export / labelled:.4f} "
+                        f"(exported) on {labelled}" if labelled else "; no labels, no accuracy")
+            print(f"real images: {seen} {source} through predict_onnx.py's preprocessing and the exported file, "
+                  f"and through predict.py's and PyTorch: top-1 agreement {agree}/{seen}, largest probability "
+                  f"difference {largest:.2e}{accuracy}", flush=True)
+            if not largest <= args.check_tolerance:
+                raise UserError(f"on real images the exported model's probabilities differ from PyTorch's by "
+                                f"{largest:.3g} (> --check-tolerance {args.check_tolerance:g}); nothing written",
+                                exit_code=RUNTIME_EXIT)
+        else:
+            print(f"real images: not checked: {source}", flush=True)
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     sidecar = out.with_name(out.name + ".json")
-    sidecar.write_text(json.dumps({
-        "format": args.format, "checkpoint": str(ckpt_path), "model": config.get("model", {}).get("name"),
-        "classes": classes, "input": "images",
-        **({"output": "logits (sigmoid gives each label's probability; a label is predicted at or above its threshold)",
-            "activation": "sigmoid", "multilabel": True,
-            "thresholds": model.thresholds}
-           if getattr(model, "multilabel", False) else
-           {"output": "logits (softmax gives probabilities)", "activation": "softmax", "multilabel": False}),
-        "input_size": [channels, size, size], "resize": resize,
-        "mean": list(mean), "std": list(std),
-        "preprocess": f"{'grey (L)' if channels == 1 else 'RGB'}, resize shorter side to `resize`, "
-                      f"center-crop `input_size`, {FORMULA}",
-    }, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"{args.format}: {out} (+ {sidecar.name}); max abs diff vs PyTorch on a batch of 3: {diff:.2e}")
+    sidecar.write_text(json.dumps(spec, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{args.format}: {out} (+ {sidecar.name})")
     if args.speed_repeats:
         engine = "ONNX Runtime" if args.format == "onnx" else "TorchScript"
         threads = torch.get_num_threads()

@@ -22,9 +22,7 @@ when no image can be read.
 its Grad-CAM map (utils/cam.py) for the top class, or for --cam-class NAME; a multi-label model gets one
 per predicted label. The target layer is the family's (utils/cam.py) or the run's model.cam_layer.
 """
-import csv
 import glob
-import json
 import os
 import sys
 import time
@@ -36,6 +34,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from data import build_transforms, is_image_file, trained_data_config
 from model import load_trained
+# The table and the --out file are predict_onnx.py's, so that the two predictors never differ in them.
+from predict_onnx import print_table, write_predictions
 from utils import run_dir as run_files
 from utils.cam import find_target, maps_for, overlay
 from utils.cli import ArgumentParser, cli_entry
@@ -44,9 +44,6 @@ from utils.distributed_utils import resolve_device
 from utils.errors import OUT_OF_MEMORY, RUNTIME_EXIT, UserError, allocation
 from utils.figures import image_grid, save_png
 from utils.normalization import denormalize, mean_std, model_input, normalization_of
-
-SHOWN = 10  # images in the printed table; the rest go to the file only
-
 
 def find_images(specs):
     """Image paths for each PATH argument, in order, each once; a PATH that yields none is an error."""
@@ -111,34 +108,6 @@ def predict(model, paths, transform, size, device, topk, batch_size, workers, ma
                 else:
                     rows.append((paths[i], list(zip(c, p))))
     return rows, bad
-
-
-def write_predictions(rows, classes, out, topk):
-    """CSV or JSON by suffix, via a temporary file: an existing file is replaced only when complete."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    if rows and len(rows[0]) == 3:  # multi-label: the predicted labels, then every label's probability
-        if out.suffix == ".json":
-            tmp.write_text(json.dumps([{"path": p, "labels": [{"class": classes[c], "prob": round(pr, 6)} for c, pr in on],
-                                        "probs": {name: round(pr, 6) for name, pr in zip(classes, every)}}
-                                       for p, on, every in rows], indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        else:
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
-                w = csv.writer(f)
-                w.writerow(["path", "labels", *classes])
-                for p, on, every in rows:
-                    w.writerow([p, ";".join(classes[c] for c, _ in on), *(f"{pr:.6f}" for pr in every)])
-        tmp.replace(out)
-        return
-    if out.suffix == ".json":
-        tmp.write_text(json.dumps([{"path": p, "top": [{"class": classes[c], "prob": round(pr, 6)} for c, pr in top]}
-                                   for p, top in rows], indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    else:
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(["path"] + [x for k in range(1, topk + 1) for x in (f"class{k}", f"prob{k}")])
-            for p, top in rows:
-                w.writerow([p] + [x for c, pr in top for x in (classes[c], f"{pr:.6f}")])
-    tmp.replace(out)
 
 
 def write_cams(model, target, rows, classes, cam_dir, cam_class, transform, size, device, batch_size,
@@ -223,12 +192,7 @@ def main(argv=None):
     if not rows:
         raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", RUNTIME_EXIT)
 
-    width = min(max(len(row[0]) for row in rows[:SHOWN]), 60)
-    for p, top, *_ in rows[:SHOWN]:
-        shown = p if len(p) <= width else "..." + p[-(width - 3):]
-        print(f"{shown:<{width}}  " + ("  ".join(f"{classes[c]} {pr:.3f}" for c, pr in top) or "(no label)"))
-    if len(rows) > SHOWN:
-        print(f"... and {len(rows) - SHOWN} more")
+    print_table(rows, classes)
     write_predictions(rows, classes, out, topk)
     if args.cam:
         Path(args.cam).mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,23 @@ def bomb_png(path, width=100_000, height=100_000):
                            + chunk(b"IEND", b""))
 
 
+# The stored pixels of an upright image that EXIF orientation o turns upright again: each transpose is its
+# own inverse but for the two quarter turns (6 stores ROTATE_90's output, 8 ROTATE_270's).
+_STORED = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90, 7: Image.Transpose.TRANSVERSE,
+           8: Image.Transpose.ROTATE_270}
+
+
+def rotated_jpeg(path, upright, orientation, quality=95):
+    """A phone photo: `upright` (a PIL image) stored as the sensor read it, with the EXIF orientation tag
+    that turns it upright again (1: stored as it is, with the tag)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored = upright.transpose(_STORED[orientation]) if orientation in _STORED else upright
+    stored.save(path, quality=quality, exif=exif)
+    return path
+
+
 def cmyk_jpeg(path):
     _img().convert("CMYK").save(path)
 

@@ -13,8 +13,10 @@
   scale that leaves the box at least the output size, and validation, drafted by the same rule,
   stays close to a full decode.
 """
+import csv
 import io
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +215,90 @@ def test_the_crop_resizes_on_one_thread_and_gives_the_others_back(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert seen == [1] and out.shape == (3, 16, 16) and out.dtype == torch.uint8
+
+
+# --------------------------------------------------------------------------- EXIF orientation
+
+def quadrants(size=(48, 32)):
+    """An upright picture no turn or mirror leaves the same: four flat quadrants of different colours."""
+    w, h = size
+    img = Image.new("RGB", size, (230, 30, 30))
+    img.paste((30, 200, 40), (w // 2, 0, w, h // 2))
+    img.paste((40, 40, 220), (0, h // 2, w // 2, h))
+    img.paste((240, 230, 40), (w // 2, h // 2, w, h))
+    return img
+
+
+def level_diff(a, b):
+    """Mean absolute difference of two images (PIL or uint8 CHW tensors) of the same extent, in levels."""
+    a, b = (np.asarray(x) if isinstance(x, Image.Image) else x.permute(1, 2, 0).squeeze(-1).numpy() for x in (a, b))
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return np.abs(a.astype(np.int64) - b.astype(np.int64)).mean()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_pil_decode_path_turns_a_phone_photo_upright(tmp_path, orientation):
+    """A JPEG stored as the sensor read it, its EXIF tag saying how to turn it: the whole decode (RGB and
+    grey), validation's drafted resize and training's drafted crop all see the upright picture. A picture
+    whose stored pixels were used as they are would be 50 levels off or more."""
+    import bad_files
+    up = quadrants()
+    path = bad_files.rotated_jpeg(tmp_path / "phone.jpg", up, orientation)
+    assert level_diff(decoding.load_rgb(path), up) < 8
+    assert level_diff(decoding.load_rgb(path, mode="L"), up.convert("L")) < 8
+    small = decoding.load_image(path, T.Compose([decoding.DraftResize(16), T.PILToTensor()]))  # decoded at 1/2
+    assert level_diff(small, up.resize((24, 16), Image.BILINEAR)) < 12
+    # The whole picture as the box (scale 1, its own aspect ratio): the crop is the upright picture, halved.
+    crop = decoding.load_image(path, decoding.DraftRandomResizedCrop((16, 24), scale=(1, 1), ratio=(1.5, 1.5)))
+    assert level_diff(crop, up.resize((24, 16), Image.BILINEAR)) < 12
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_device_decoders_pixels_are_turned_as_pil_turns_them(orientation):
+    """nvJPEG and decode_jpeg return the stored pixels; gpu_pipeline.upright_tensor turns them exactly as
+    PIL's ImageOps.exif_transpose does (the reference), grey or colour, for every orientation."""
+    from PIL import ImageOps
+    from utils.gpu_pipeline import upright_tensor
+    stored = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    tagged = Image.fromarray(stored)
+    tagged.info["exif"] = exif.tobytes()
+    expected = np.asarray(ImageOps.exif_transpose(tagged))
+    ours = upright_tensor(torch.from_numpy(stored).permute(2, 0, 1), orientation).permute(1, 2, 0).numpy()
+    assert np.array_equal(ours, expected)
+    assert np.array_equal(upright_tensor(torch.from_numpy(stored[None, :, :, 0]), orientation)[0].numpy(),
+                          expected[:, :, 0])
+
+
+@pytest.mark.slow
+def test_train_and_predict_see_phone_photos_upright(tmp_path):
+    """train.py on phone photos (stored turned, their EXIF tags turning them upright), with the device
+    pipeline decoding every batch by torchvision's decode_jpeg on the CPU; predict.py then names a plain
+    upright picture's class, and a phone photo's. Two classes that differ only in which colour is on top:
+    a model trained on the stored pixels has learnt the other class for some of the turns."""
+    import bad_files
+    from conftest import FAST_ARGS, run_entry
+    top, bottom = (220, 30, 30), (30, 40, 220)
+    pictures = {}
+    for name, (a, b) in {"red_on_top": (top, bottom), "blue_on_top": (bottom, top)}.items():
+        img = Image.new("RGB", (40, 32), b)
+        img.paste(a, (0, 0, 40, 16))
+        pictures[name] = img
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(8):
+            bad_files.rotated_jpeg(tmp_path / "data" / name / f"{i}.jpg", img, (3, 6, 8, 4)[i % 4])
+        img.save(tmp_path / f"plain_{name}.jpg", quality=95)
+        bad_files.rotated_jpeg(tmp_path / f"phone_{name}.jpg", img, 6)
+    run = tmp_path / "run"
+    proc = run_entry("train.py", *FAST_ARGS, "--data-path", tmp_path / "data", "--output-dir", run, "train.epochs=4",
+                     "data.min_crop_scale=0.6", "data.pipeline=gpu", "data.gpu_decode=per_batch", "data.val_rate=0.25",
+                     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "JPEGs decoded on cpu every batch" in proc.stdout
+    out = tmp_path / "pred.csv"
+    proc = run_entry("predict.py", run, *sorted(tmp_path.glob("*_on_top.jpg")), "--device", "cpu", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {Path(r["path"]).name: r for r in csv.DictReader(out.open())}
+    assert {n: r["class1"] for n, r in rows.items()} == {f"{kind}_{c}.jpg": c for kind in ("plain", "phone")
+                                                      for c in pictures}, rows

@@ -91,3 +91,52 @@ def test_the_speed_table_times_the_eager_model_and_the_exported_file_each_on_its
     assert [batch for batch, _, _ in rows] == list(export.SPEED_BATCHES)
     assert calls["eager"] == calls["exported"] == [b for b in export.SPEED_BATCHES for _ in range(5)]
     assert all(exported_ms >= 30 > eager_ms for _, eager_ms, exported_ms in rows), rows
+
+
+# --------------------------------------------------------------------------- the check on real images
+
+def test_the_file_is_checked_on_real_images_through_predict_onnxs_preprocessing(trained_run, tmp_path, capsys):
+    """After the random batch (first), the images of --check-images (a class-per-folder tree: labels from the
+    folder names) through predict_onnx.py's preprocessing into the file, and through predict.py's into
+    PyTorch: every top-1 the same, and PyTorch's accuracy is scikit-learn's on the model's own argmax."""
+    import re
+
+    from sklearn.metrics import accuracy_score
+
+    from data import build_transforms
+    from utils import normalization
+    from utils.decoding import load_image
+    out = tmp_path / "model.onnx"
+    with single_thread():
+        export.main([str(trained_run["run_dir"]), "--format", "onnx", "--out", str(out), "--speed-repeats", "0",
+                     "--check-images", str(trained_run["data"])])
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0].startswith("onnx: max abs diff vs PyTorch on a batch of 3 random inputs")
+    got = re.search(r"^real images: 30 image\(s\) of .* top-1 agreement 30/30, largest probability difference (\S+); "
+                    r"accuracy (\S+) \(PyTorch\) and (\S+) \(exported\) on 30$", lines[1])
+    assert got, printed
+    model, classes, *_ = load_trained(trained_run["run_dir"])
+    transform = build_transforms(32, 36)[1]
+    paths = sorted(trained_run["data"].glob("*/*.jpg"))
+    with torch.no_grad():
+        x = torch.stack([load_image(p, transform) for p in paths])
+        top1 = model(normalization.model_input(x, torch.device("cpu"), normalization.normalization_of(transform, "cpu")))
+    want = accuracy_score([classes.index(p.parent.name) for p in paths], top1.argmax(1).numpy())
+    assert float(got[1]) <= 1e-5 and float(got[2]) == float(got[3]) == round(want, 4)
+    assert out.exists() and out.with_name(out.name + ".json").exists()
+
+
+def test_a_sidecar_that_preprocesses_otherwise_writes_nothing(trained_run, tmp_path, monkeypatch, capsys):
+    """The classic deployment bug: the sidecar's mean and std are not those the model was trained with. The
+    random-tensor check cannot see it (it skips preprocessing); the validation images do, and nothing is
+    written."""
+    out = tmp_path / "model.onnx"
+    monkeypatch.setattr(export, "mean_std", lambda transform: ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)))
+    with single_thread(), pytest.raises(SystemExit) as e:
+        export.main([str(trained_run["run_dir"]), "--format", "onnx", "--out", str(out), "--speed-repeats", "0"])
+    printed, err = capsys.readouterr()
+    assert e.value.code == 1 and "max abs diff vs PyTorch on a batch of 3 random inputs" in printed
+    assert "real images: 5 validation image(s)" in printed
+    assert err.startswith("error: on real images the exported model's probabilities differ from PyTorch's by ")
+    assert "(> --check-tolerance 0.001); nothing written" in err and list(tmp_path.iterdir()) == []

@@ -495,7 +495,7 @@ def test_per_batch_decoding_falls_back_per_image_for_what_is_not_a_plain_jpeg(tm
     real_collate = gpu_pipeline._collate_encoded
 
     def collate(items):
-        kinds.update({Path(dataset.samples[index][0]).name: kind for _, kind, _, _, _, index in items})
+        kinds.update({Path(dataset.samples[index][0]).name: kind for _, kind, _, _, _, index, _ in items})
         return real_collate(items)
 
     monkeypatch.setattr(gpu_pipeline, "_collate_encoded", collate)

@@ -8,6 +8,10 @@ leaves their output's pixels. Any other file, or another first transform, is dec
 Grey (mode "L", data.channels=1): a colour JPEG is decoded straight to its luma plane (libjpeg's grey
 output, no chroma decoded), the pixels torchvision's decode_jpeg and nvJPEG give in their GRAY mode;
 any other file is converted by PIL's luma formula, which is how that plane was made when it was encoded.
+
+EXIF orientation: a phone stores a photo's pixels as the sensor read them and a tag saying how to turn
+them upright. Every image is turned upright here (PIL's ImageOps.exif_transpose table), a JPEG decoded
+small after its decode, with its crop box or resize drawn in the upright image's pixels.
 """
 import contextlib
 import io
@@ -29,6 +33,34 @@ class BadImage(Exception):
 
 
 MODES = {3: "RGB", 1: "L"}  # data.channels -> the PIL mode images are decoded to
+
+# EXIF orientation (2-8) -> the transpose that turns the stored pixels upright: ImageOps.exif_transpose's
+# table (that function decodes the whole image first, before a JPEG could be decoded small).
+UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+           8: Image.Transpose.ROTATE_90}
+SIDEWAYS = (5, 6, 7, 8)  # the orientations that swap width and height
+
+
+def exif_orientation(img):
+    """An opened image's EXIF orientation (1-8; a JPEG's is in the header read), 1 where it has none or
+    the tag is unreadable (a broken tag does not make the pixels unusable)."""
+    try:
+        orientation = img.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return 1
+    return orientation if orientation in UPRIGHT else 1
+
+
+def upright(img, orientation):
+    """A decoded PIL image turned as its EXIF orientation says (itself for 1)."""
+    return img.transpose(UPRIGHT[orientation]) if orientation in UPRIGHT else img
+
+
+def upright_size(img):
+    """(width, height) of an opened image once turned upright, before it is decoded."""
+    w, h = img.size
+    return (h, w) if getattr(img, "orientation", 1) in SIDEWAYS else (w, h)
 
 
 def to_8bit(img, mode="RGB"):
@@ -63,12 +95,13 @@ def load_rgb(path, max_pixels=0, undecoded=False, mode="RGB", data=None):
             raise BadImage(f"'{path}' is {w}x{h} = {w * h} pixels, over data.max_image_pixels="
                            f"{max_pixels} (a decompression-bomb guard); raise it if you trust the file")
         if undecoded and img.format == "JPEG":
-            img.wanted_mode = mode
+            img.wanted_mode, img.orientation = mode, exif_orientation(img)
             return img
         with img:
             if mode == "L" and img.format == "JPEG":
                 img.draft("L", None)  # a colour JPEG decodes to its luma plane (module docstring)
-            return to_8bit(img, mode)
+            orientation = exif_orientation(img)  # read before to_8bit, whose copy may drop the tag
+            return upright(to_8bit(img, mode), orientation)
     except BadImage:
         raise
     except Exception as e:  # noqa: BLE001 - whatever PIL raises on a broken file is the file's fault
@@ -76,10 +109,10 @@ def load_rgb(path, max_pixels=0, undecoded=False, mode="RGB", data=None):
 
 
 def decode(img, scale=1):
-    """An image from load_rgb -> (8-bit RGB or grey, as load_rgb was asked, and how many times smaller
-    it was decoded). A JPEG not decoded yet is decoded at 1/scale of each side (rounded up); any other
-    image is as it is."""
-    w, mode = img.width, getattr(img, "wanted_mode", None)
+    """An image from load_rgb -> (8-bit RGB or grey, as load_rgb was asked, upright, and how many times
+    smaller it was decoded). A JPEG not decoded yet is decoded at 1/scale of each side (rounded up); any
+    other image is as it is."""
+    w, mode, orientation = img.width, getattr(img, "wanted_mode", None), getattr(img, "orientation", 1)
     if mode is None:  # decoded already: load_rgb gave it the mode wanted
         mode = img.mode if img.mode in MODES.values() else "RGB"
     try:
@@ -93,7 +126,7 @@ def decode(img, scale=1):
     except Exception as e:  # noqa: BLE001 - as in load_rgb
         raise _decode_error(getattr(img, "filename", "the image"), e) from None
     # draft() answers (mode, the original's extent in the new pixels); None where it did nothing.
-    return img, (round(w / drafted[1][2]) if drafted else 1)
+    return upright(img, orientation), (round(w / drafted[1][2]) if drafted else 1)
 
 
 def load_image(path, transform=None, max_pixels=0, mode="RGB", data=None):
@@ -123,7 +156,10 @@ class DraftRandomResizedCrop(transforms.RandomResizedCrop):
     def forward(self, img):
         if not isinstance(img, Image.Image):
             return super().forward(img)
-        top, left, h, w = self.get_params(img, self.scale, self.ratio)
+        # The box is drawn in the upright image's pixels: get_params reads only the extent of a tensor.
+        width, height = upright_size(img)
+        extent = torch.empty(1, 1, 1, dtype=torch.uint8).expand(1, height, width)
+        top, left, h, w = self.get_params(extent, self.scale, self.ratio)
         img, s = decode(img, draft_scale(w, h, self.size[1], self.size[0]))
         # The box in the decoded pixels (to the nearest one where the JPEG was decoded smaller).
         box = TF.pil_to_tensor(img)[:, round(top / s):round((top + h) / s), round(left / s):round((left + w) / s)]
@@ -154,7 +190,7 @@ class DraftResize(transforms.Resize):
     def forward(self, img):
         if not isinstance(img, Image.Image):
             return super().forward(img)
-        w, h = img.size
+        w, h = upright_size(img)
         out_w, out_h = self.output_size(w, h)
         img, s = decode(img, draft_scale(w, h, out_w, out_h))
         if s == 1:

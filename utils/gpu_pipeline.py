@@ -24,6 +24,7 @@ from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import functional as TF
 
+from utils.decoding import exif_orientation
 from utils.errors import OUT_OF_MEMORY, UserError
 from utils.normalization import normalization_of, normalize
 
@@ -382,14 +383,15 @@ ENCODED, PIXELS = 0, 1  # what a worker sends for one image: the file's bytes, o
 
 
 class EncodedFiles(Dataset):
-    """Index -> (1-D uint8, kind, H, W, label, index), in the DataLoader workers.
+    """Index -> (1-D uint8, kind, H, W, label, index, EXIF orientation), in the DataLoader workers.
 
     A JPEG that the device can decode as the PIL path would (RGB or grey, within
     data.max_image_pixels, not known bad) is sent as its file's bytes (ENCODED);
     for a grey dataset it is decoded to its luma plane there, as utils/decoding.py does.
     Anything else (PNG, CMYK JPEG, an unreadable file) goes through the dataset's
     own PIL loading, with its RGB conversion and bad-image substitution, and is
-    sent as pixels (PIXELS, H x W).
+    sent as pixels (PIXELS, H x W), upright already. A JPEG's EXIF orientation (1-8) travels with its
+    bytes: the decoders return the stored pixels, and JpegBatches turns them upright.
     """
 
     def __init__(self, dataset):
@@ -402,11 +404,11 @@ class EncodedFiles(Dataset):
 
     def __getitem__(self, index):
         path, label = self.pil.samples[index]
-        raw = _jpeg_bytes(path, self.max_pixels) if not self._known_bad(index) else None
+        raw, orientation = _jpeg_bytes(path, self.max_pixels) if not self._known_bad(index) else (None, 1)
         if raw is not None:
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8), ENCODED, 0, 0, label, index
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8), ENCODED, 0, 0, label, index, orientation
         pixels, label = self.pil[index]
-        return pixels.flatten(), PIXELS, pixels.shape[1], pixels.shape[2], label, index
+        return pixels.flatten(), PIXELS, pixels.shape[1], pixels.shape[2], label, index, 1
 
     def _known_bad(self, index):
         status = getattr(self.pil, "bad_status", None)
@@ -414,22 +416,24 @@ class EncodedFiles(Dataset):
 
 
 def _jpeg_bytes(path, max_pixels):
-    """The file's bytes if PIL reads it as an RGB or grey JPEG within max_pixels (its header only), else None."""
+    """(the file's bytes, its EXIF orientation) if PIL reads it as an RGB or grey JPEG within max_pixels (its
+    header only), else (None, 1)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
         with Image.open(io.BytesIO(raw)) as img:
             w, h = img.size
             ok = img.format == "JPEG" and img.mode in ("RGB", "L") and not (max_pixels and w * h > max_pixels)
-        return raw if ok else None
+            orientation = exif_orientation(img)
+        return (raw, orientation) if ok else (None, 1)
     except Exception:  # noqa: BLE001 - the PIL path decides what is wrong with the file, and says so
-        return None
+        return None, 1
 
 
 def _collate_encoded(items):
     """One buffer for the whole batch (one shared-memory block through IPC, not one per image)."""
-    parts, kinds, heights, widths, labels, indices = zip(*items)
-    meta = torch.tensor(list(zip(kinds, heights, widths, labels, indices)), dtype=torch.long)
+    parts, kinds, heights, widths, labels, indices, orientations = zip(*items)
+    meta = torch.tensor(list(zip(kinds, heights, widths, labels, indices, orientations)), dtype=torch.long)
     return torch.cat(parts), torch.tensor([len(p) for p in parts]), meta
 
 
@@ -479,8 +483,8 @@ class JpegBatches:
             else:
                 decoded = [self._decode_one(parts[i]) for i in jpegs]
         for i, img in zip(jpegs, decoded):
-            images[i] = img
-        for i, (kind, h, w, _, index) in enumerate(meta):
+            images[i] = None if img is None else upright_tensor(img, meta[i][5])
+        for i, (kind, h, w, _, index, _) in enumerate(meta):
             if kind == PIXELS:
                 images[i] = parts[i].view(-1, h, w).to(self.device, non_blocking=True)
             elif images[i] is None:
@@ -505,6 +509,16 @@ class JpegBatches:
             print(f"warning: nvJPEG ran out of {self.device} memory decoding {count} JPEG(s) ({str(e).splitlines()[0]}); "
                   "such batches are decoded by PIL on the CPU instead (slower): a smaller --batch-size "
                   "avoids it; later ones are not reported", file=sys.stderr, flush=True)
+
+
+def upright_tensor(img, orientation):
+    """A decoded C x H x W image turned as its EXIF orientation says, as utils/decoding.upright turns a PIL
+    image: nvJPEG returns the stored pixels (torchvision's apply_exif_orientation is CPU-only), so both
+    devices take this one way."""
+    if orientation in (5, 6, 7, 8):  # sideways: transpose first, then the flips below as for 4, 1, 2, 3
+        img, orientation = img.transpose(-2, -1), {5: 1, 6: 2, 7: 3, 8: 4}[orientation]
+    flips = {2: (-1,), 3: (-2, -1), 4: (-2,)}.get(orientation)
+    return img.flip(flips) if flips else img
 
 
 def _out_of_memory(e):
