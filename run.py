@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shlex
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,12 @@ from utils.stop import StopRequest
 
 # --------------------------------------------------------------------------- fit
 
+def _done():
+    done = threading.Event()
+    done.set()
+    return done
+
+
 @dataclass
 class _Run:
     """What every epoch of fit uses."""
@@ -54,6 +61,7 @@ class _Run:
     run_state: ckpt.RunState                # epoch, global step, best score: the loop's and the checkpoint's
     hinted: bool = False                    # the input-bound hint was printed (once per run)
     cam_net: Optional[torch.nn.Module] = None  # the pictures' copy of the weights (_pictures)
+    pictures_done: threading.Event = dataclasses.field(default_factory=_done)  # the last epoch's pictures are drawn
     profiled: bool = False                  # train.profile's epoch is done (the first this process trains)
     record: dict = dataclasses.field(default_factory=dict)  # utils/run_record.py's (complete on rank 0)
 
@@ -106,7 +114,8 @@ def _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name):
     logger = RunLogger(run_dir, enabled=is_main, start_epoch=run_state.epoch, start_step=run_state.global_step,
                        resuming=resume_path is not None or restarted or cfg.resume == "auto")
     saver = ckpt.Checkpointer(run_files.checkpoints(run_dir), step.net, step, config_to_dict(cfg), classes,
-                              layout, cfg.train.keep_last, dist_info.rank, record=record)
+                              layout, cfg.train.keep_last, dist_info.rank, record=record,
+                              background=logger.background, on_failure=lambda: run.stop.request())
     run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state,
                record=record)
     _log_start(run, resume_path, notes)
@@ -123,6 +132,7 @@ def _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name):
                              best=run_state.best_score, best_epoch=run_state.best_epoch)
                 break
             metrics = _train_epoch(run, epoch)
+        saver.finish()  # the last epoch's checkpoint is on disk (every rank: its write is voted on)
         logger.info(done_lines(run_dir, run_state, dist_info))
     except OUT_OF_MEMORY:
         raise  # fit's one line
@@ -281,15 +291,17 @@ def _train_epoch(run, epoch):
     if run_state.multilabel:  # those of the weights a checkpoint's user loads (checkpoint.best_weights)
         run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
     run_state.epoch = epoch + 1
-    run.saver.save(run_state, is_best=is_best)
+    run.saver.save(run_state, is_best=is_best, wait=False)  # written beside the next epoch
     key = score_key(run_state.multilabel)
-    figure_seconds = _pictures(run, val, worst, pr) if cfg.train.figures else 0.0
+    pictures, figure_seconds = _pictures(run, val, worst, pr) if cfg.train.figures else (None, 0.0)
     metrics = {"epoch": epoch + 1, "step": run_state.global_step, **train, **val, "lr": lr,
                **({"lr_lowest": lowest} if per_group else {}),
                best_key(run_state.best_metric): run_state.best_score,
                **({"best_weights": run_state.best_weights} if run.step.ema is not None else {}),
                "figure_seconds": figure_seconds, "epoch_seconds": time.perf_counter() - epoch_start}
     run.logger.epoch(metrics, run.classes)
+    if pictures is not None:  # after the epoch's line: a picture never holds up metrics.jsonl
+        run.pictures_done = run.logger.later(*pictures)
     run.logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  train_loss {train['train_loss']:.4f}  "
                     f"val_loss {val['val_loss']:.4f}  {key} {val[key]:.4f}  "
                     + (f"val_macro_f1 {val['val_macro_f1']:.4f}  " if run_state.multilabel else "")
@@ -301,6 +313,7 @@ def _train_epoch(run, epoch):
         run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
     # A signal that came during evaluation: the epoch's checkpoint is already written.
     if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device):
+        run.saver.finish()
         _raise_stopped(stop, f"after epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     return metrics
 
@@ -393,23 +406,24 @@ def _raise_stopped(stop, where, global_step, run_dir, dist_info):
 
 
 def _pictures(run, val, worst, pr):
-    """The epoch's pictures (utils/figures.py), drawn on the logger's thread beside the next epoch, rank 0
-    only. Their Grad-CAM maps come from a copy of this epoch's weights (one more copy of the model on
-    rank 0's device), as the training goes on with the model meanwhile. Returns the seconds this epoch
-    spends on them: the wait for the last epoch's (so at most one epoch's pictures are pending) and the copy."""
+    """The epoch's pictures (utils/figures.py), to be drawn on the logger's thread beside the next epoch,
+    rank 0 only: (the job for RunLogger.later or None, the seconds this epoch spent on them). Their
+    Grad-CAM maps come from a copy of this epoch's weights (one more copy of the model on rank 0's
+    device), as the training goes on with the model meanwhile. The seconds: the wait for the last
+    epoch's pictures (so at most one epoch's are pending) and the copy."""
     if not run.logger.enabled:
-        return 0.0
+        return None, 0.0
     start = time.perf_counter()
-    run.logger.wait()
+    run.pictures_done.wait()
     cam = None
     if worst and not fsdp.is_sharded(run.step.net):
         if run.cam_net is None:
             run.cam_net = copy.deepcopy(run.step.net)
         run.cam_net.load_state_dict(run.step.net.state_dict())
         cam = _gallery_cam(run.cam_net, run.cfg)
-    run.logger.later(figures.epoch_pictures, run.logger, val, worst, run.classes, run.val_loader.dataset,
-                     run.run_state.global_step, pr, cam)
-    return round(time.perf_counter() - start, 4)
+    job = (figures.epoch_pictures, run.logger, val, worst, run.classes, run.val_loader.dataset,
+           run.run_state.global_step, pr, cam)
+    return job, round(time.perf_counter() - start, 4)
 
 
 def _gallery_cam(net, cfg):

@@ -49,16 +49,18 @@ sum to the wall time (to the metrics' millisecond rounding):
                   picture, which is drawn inside the loop at its first batch);
   validation      sum of val_seconds (engine.evaluate's clock: loss, top-1/top-5, confusion matrix,
                   the worst mistakes' candidates; bare: top-1 only);
-  pictures        sum of figure_seconds (the confusion matrix and the worst mistakes with Grad-CAM,
-                  each epoch; the bare loop draws none);
-  saves and rest  sum of (epoch_seconds - train - validation - pictures): last.pt (and best.pt,
-                  a hard link) written, and the rest of the epoch outside those clocks (the epoch's
-                  seeding, the bad-image count, the best-metric bookkeeping, the Grad-CAM set-up).
-                  The bare loop times its save alone too ("of which the save");
-  between epochs  from each epoch's end stamp to the next one's start: the rest of the metrics line
-                  (its TensorBoard scalars and flush), the console line, the stop check;
-  end             the last epoch's end stamp to exit: the last TensorBoard scalars, the closing lines,
-                  TensorBoard's close and the interpreter's exit.
+  pictures        sum of figure_seconds: what each epoch still waits for its pictures (the last
+                  epoch's to be drawn, and the copy of the weights for their Grad-CAM maps); they are
+                  drawn on rank 0's logger thread beside the next epoch. The bare loop draws none;
+  saves and rest  sum of (epoch_seconds - train - validation - pictures): the copy of the epoch's
+                  checkpoint tensors (written to last.pt, best.pt a hard link, on the logger thread
+                  beside the next epoch), and the rest of the epoch outside those clocks (the epoch's
+                  seeding, the bad-image count, the best-metric bookkeeping). The bare loop times its
+                  save alone too ("of which the save"): a torch.save, fsync and rename, waited for;
+  between epochs  from each epoch's end stamp to the next one's start: the console line, the stop check
+                  (the metrics line and its TensorBoard scalars are written on the logger thread);
+  end             the last epoch's end stamp to exit: the last checkpoint's and pictures' writes waited
+                  for, the closing lines, TensorBoard's close and the interpreter's exit.
 Results: OUT/whole_run.json and OUT/whole_run.md; the table is printed last.
 """
 import argparse

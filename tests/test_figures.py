@@ -7,6 +7,7 @@ confusion matrix and worst mistakes, the first its augmented samples; every scal
 sits on the global-step axis; the HParams tab has the config; and a run resumed
 from an older epoch_NNN.pt leaves no point of the abandoned branch past its step.
 """
+import json
 import shutil
 import sys
 
@@ -113,8 +114,9 @@ def test_pictures_drawn_beside_the_next_epoch_are_of_their_own_epochs_weights(tm
     """The epoch's pictures are drawn on the logger's thread while the next epoch trains (run._pictures):
     its worst mistakes' Grad-CAM maps must come from the epoch's own weights, not from the model training
     on, and the training must not feel them. Epoch 1's picture in TensorBoard equals the one --eval-only
-    draws from epoch_001.pt (the same function, synchronously), pixel for pixel; and the run's checkpoints
-    equal those of the same run without pictures, bit for bit."""
+    draws from epoch_001.pt (the same function, synchronously), pixel for pixel; the run's checkpoints
+    equal those of the same run without pictures, bit for bit; and epoch_001.pt, written beside epoch 2,
+    scores epoch 1's val_loss exactly."""
     from io import BytesIO
 
     from PIL import Image
@@ -131,6 +133,9 @@ def test_pictures_drawn_beside_the_next_epoch_are_of_their_own_epochs_weights(tm
     again = run_entry("train.py", *base, "--output-dir", tmp_path / "again", "--eval-only", "--resume",
                       drawn / "checkpoints" / "epoch_001.pt")
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    # The checkpoint written beside epoch 2 (utils/checkpoint.py) holds epoch 1's weights: they score its line.
+    scored = json.loads((tmp_path / "again" / "eval.json").read_text())
+    assert scored["val_loss"] == pytest.approx(read_metrics(drawn)[0]["val_loss"], rel=1e-12, abs=0)
     first = accumulate(drawn).Images("val/worst_mistakes")[0]
     assert first.step == read_metrics(drawn)[0]["step"]
     in_tensorboard = np.asarray(Image.open(BytesIO(first.encoded_image_string)).convert("RGB"))

@@ -22,7 +22,9 @@ uninterrupted one stops. A multi-label run's checkpoints say so
 
 A save goes to a temporary file in the same directory, is fsynced and renamed
 over the old one, so a process killed mid-write leaves the previous checkpoint
-intact. Loads use weights_only=True: a file that carries pickled code is refused.
+intact. An epoch's checkpoint is written on rank 0's logger thread from a copy of its tensors,
+beside the next epoch (Checkpointer); every other save waits for it and is written at once, and
+metrics.jsonl gets the epoch's line only once its checkpoint is on disk. Loads use weights_only=True: a file that carries pickled code is refused.
 """
 import os
 import random
@@ -433,33 +435,67 @@ def resume_point(state, rank, layout):
 
 
 class Checkpointer:
-    """Saves the run's objects; `save` is called by every rank (it gathers every rank's state).
-    `step`: what holds the optimizer, scheduler, scaler, EMA and device (engine.Step)."""
+    """Saves the run's objects; `save` and `finish` are called by every rank (they gather every rank's state
+    and vote on rank 0's write). `step`: what holds the optimizer, scheduler, scaler, EMA and device
+    (engine.Step). `background`: rank 0's RunLogger.background, where an epoch's checkpoint (save(...,
+    wait=False)) is written beside the next epoch from a copy of its tensors; `on_failure()` is called
+    there when that write fails (fit asks the loop to stop, so the next save's vote comes at the next step)."""
 
-    def __init__(self, ckpt_dir, model, step, config, classes, layout, keep_last, rank, record=None):
+    def __init__(self, ckpt_dir, model, step, config, classes, layout, keep_last, rank, record=None,
+                 background=None, on_failure=None):
         self.ckpt_dir, self.model, self.step, self.record = Path(ckpt_dir), model, step, record
         self.config, self.classes, self.layout, self.keep_last, self.rank = config, classes, layout, keep_last, rank
+        self.background, self.on_failure, self._pending = background, on_failure, None
 
-    def save(self, run_state, is_best=False, epoch_step=0, loss_sum=0.0, images_seen=0, epoch_lr=None):
+    def save(self, run_state, is_best=False, epoch_step=0, loss_sum=0.0, images_seen=0, epoch_lr=None, wait=True):
         ranks = gather_objects({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
-        model, sharded, error = self.model, None, None
+        model, sharded = self.model, None
         if is_sharded(self.model):  # every rank writes its shards, then gathers the full weights to rank 0
             sharded = f"sharded-e{run_state.epoch:03d}-s{run_state.global_step:08d}-{os.getpid()}"
             sharded = broadcast_object(sharded)
             save_sharded(self.model, self.step.optimizer, self.ckpt_dir, sharded, self.rank)
             model = full_state_dict(self.model)
-        if self.rank == 0:
+        # The write still under way (the last epoch's) first: checkpoints land in order, and its error is voted on here.
+        error = self._written() if self.rank == 0 else None
+        if self.rank == 0 and error is None:
             step = self.step
             state = make_state(model, step.optimizer, step.scheduler, step.scaler, run_state, self.config,
                                self.classes, ranks=ranks, epoch_step=epoch_step, epoch_lr=epoch_lr,
                                data=self.layout, ema=step.ema, sharded=sharded, record=self.record)
-            try:
-                # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
-                save_checkpoint(state, self.ckpt_dir, is_best, self.keep_last if epoch_step == 0 else 0)
-                if sharded:
-                    remove_sharded(self.ckpt_dir, keep=sharded)
-            except UserError as e:
-                error = e
+            # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
+            keep = self.keep_last if epoch_step == 0 else 0
+            if wait or sharded or self.background is None:
+                try:
+                    save_checkpoint(state, self.ckpt_dir, is_best, keep)
+                    if sharded:
+                        remove_sharded(self.ckpt_dir, keep=sharded)
+                except UserError as e:
+                    error = e
+            else:  # the training goes on with the tensors: the write takes a copy of them
+                self._pending = self.background.later(self._write, snapshot(state), is_best, keep)
+        self._vote(error)
+
+    def finish(self):
+        """Every rank: the checkpoint still being written is on disk, or its error stops every rank."""
+        self._vote(self._written() if self.rank == 0 else None)
+
+    def _write(self, state, is_best, keep):
+        try:
+            save_checkpoint(state, self.ckpt_dir, is_best, keep)
+        except BaseException:
+            if self.on_failure is not None:
+                self.on_failure()
+            raise
+
+    def _written(self):
+        """Rank 0: wait for the write under way; its error (the background's, which dropped what followed it)."""
+        if self._pending is None:
+            return None
+        self._pending.wait()
+        self._pending = None
+        return self.background.take_error()
+
+    def _vote(self, error):
         # Every rank joins this vote, so a failed save on rank 0 stops all ranks instead of
         # leaving them to wait in the next collective.
         if any_rank(error is not None, self.step.device):
@@ -467,3 +503,18 @@ class Checkpointer:
             error = error or UserError("rank 0 could not write its checkpoint; stopping", exit_code=RUNTIME_EXIT)
             error.every_rank = True
             raise error
+
+
+def snapshot(obj):
+    """A checkpoint's tensors copied to the CPU (containers copied, other values shared): what a write
+    beside the training saves while the weights move on. A state dict's _metadata (module versions) goes along."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        copied = type(obj)((k, snapshot(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            copied._metadata = obj._metadata
+        return copied
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj

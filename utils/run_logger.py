@@ -7,9 +7,10 @@ call sites need no rank checks (and never wrap a collective in one).
 
 TensorBoard has one x-axis, the global optimizer step: step-level points at their
 step, an epoch's points (every number of its metrics.jsonl line) and pictures at
-the step where the epoch ends. TensorBoard's writes and the pictures happen on a thread of
-their own (Background), in the order asked, so the next epoch does not wait for them;
-metrics.jsonl, run files and the console lines are written on the caller's thread at once. Pictures (utils/figures.py): the confusion matrix
+the step where the epoch ends. The epoch's checkpoint, its metrics.jsonl line,
+TensorBoard's writes and the pictures happen on a thread of their own (Background), in the order
+asked, so the next epoch does not wait for them; run files and the console lines are written on
+the caller's thread at once. Pictures (utils/figures.py): the confusion matrix
 and the worst mistakes every epoch, augmented training samples once.
 The Custom Scalars tab (LAYOUT) puts train and val loss on one chart; the bookkeeping
 numbers (epoch, seconds, counts) sort after the curves, in BOOKKEEPING.
@@ -74,49 +75,54 @@ def write_json(path, obj):
 
 
 class Background:
-    """One thread that runs the jobs it is given, one at a time, in the order given: TensorBoard's
-    writes and the epoch's pictures, beside the training. A job's error is raised on the caller's
-    thread at its next later() or wait(); a job given on the thread itself runs at once."""
+    """One thread that runs the jobs it is given, one at a time, in the order given: the epoch's checkpoint
+    write (utils/checkpoint.py), its metrics.jsonl line, TensorBoard's writes and the epoch's pictures,
+    beside the next epoch. later() returns a threading.Event, set when the job is done or dropped. After
+    a job fails, the jobs given after it are dropped (so a metrics line never outruns its checkpoint)
+    until its error is taken: by the checkpoint's vote (take_error) or at close. A job given on the
+    thread itself runs at once."""
 
     def __init__(self):
-        self._jobs, self._error = queue.Queue(), None
+        self._jobs, self.error = queue.Queue(), None
         self._thread = threading.Thread(target=self._work, name="run-logger", daemon=True)
         self._thread.start()
 
     def _work(self):
         while True:
             job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            fn, args, done = job
             try:
-                if job is None:
-                    return
-                if self._error is None:  # after an error the rest is dropped: it is raised once, where asked
-                    job[0](*job[1])
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                self._error = e
+                if self.error is None:
+                    fn(*args)
+            except BaseException as e:  # noqa: BLE001 - taken on the caller's thread
+                self.error = e
             finally:
+                done.set()
                 self._jobs.task_done()
 
     def later(self, fn, *args):
+        done = threading.Event()
         if threading.current_thread() is self._thread:
-            return fn(*args)
-        self._raise()
-        self._jobs.put((fn, args))
+            fn(*args)
+            done.set()
+        else:
+            self._jobs.put((fn, args, done))
+        return done
 
     def wait(self):
-        """Returns when every job given so far is done."""
+        """Returns when every job given so far is done (or dropped)."""
         self._jobs.join()
-        self._raise()
 
-    def close(self, raise_errors=True):
+    def take_error(self):
+        error, self.error = self.error, None
+        return error
+
+    def close(self):
         self._jobs.put(None)
         self._thread.join()
-        if raise_errors:
-            self._raise()
-
-    def _raise(self):
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 class RunLogger:
@@ -143,14 +149,21 @@ class RunLogger:
         self.writer.add_custom_scalars(LAYOUT)
 
     def later(self, fn, *args):
-        """Run fn(*args) on the logger's own thread, after what was asked before (rank 0; else nothing)."""
+        """Run fn(*args) on the logger's own thread, after what was asked before (rank 0; else nothing).
+        Returns a threading.Event set once it is done."""
         if self.background is not None:  # enabled, and not closed yet
-            self.background.later(fn, *args)
+            return self.background.later(fn, *args)
+        done = threading.Event()
+        done.set()
+        return done
 
     def wait(self):
-        """Until every TensorBoard write and picture asked for so far is done."""
+        """Until everything asked of the logger's thread so far is done; its error, if one failed, is raised."""
         if self.background is not None:
             self.background.wait()
+            error = self.background.take_error()
+            if error is not None:
+                raise error
 
     def _truncate_metrics(self, start_epoch):
         """On resume keep only epochs the checkpoint includes (1-based epoch <= start_epoch); an event line
@@ -183,12 +196,13 @@ class RunLogger:
         TensorBoard scalar at the epoch's last global step ("step")."""
         if not self.enabled:
             return
-        metrics = {"time": round(time.time(), 3), **metrics}
+        # Stamped now; written on the logger's thread after the epoch's checkpoint, so that metrics.jsonl
+        # never holds an epoch whose last.pt is not on disk.
+        self.later(self._epoch, {"time": round(time.time(), 3), **metrics}, tuple(classes))
+
+    def _epoch(self, metrics, classes):
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        self.later(self._epoch_scalars, metrics, tuple(classes))
-
-    def _epoch_scalars(self, metrics, classes):
         global_step = metrics["step"]
         for key, value in metrics.items():
             if key in ("time", "step"):
@@ -204,9 +218,11 @@ class RunLogger:
 
     def event(self, name, **fields):
         """A metrics.jsonl line that is no epoch's (no "epoch" key): {"event": "done", "reason": "early_stop", ...}."""
-        if self.enabled:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"time": round(time.time(), 3), "event": name, **fields}) + "\n")
+        self.later(self._append, {"time": round(time.time(), 3), "event": name, **fields})
+
+    def _append(self, line):
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def image(self, tag, image, global_step):
         """An RGB uint8 (H, W, 3) picture from utils/figures.py, as a PNG in the event file. Encoded here:
@@ -271,9 +287,12 @@ class RunLogger:
             return
         self.background.later(lambda: self.writer is not None and self.writer.close())
         try:
-            self.background.close(raise_errors=sys.exc_info()[0] is None)
+            self.background.close()
+            error = self.background.take_error()
         finally:
             self.background = None
+        if error is not None and sys.exc_info()[0] is None:
+            raise error
 
 
 # TensorBoard's Scalars tab sorts its sections by the tag's first part: bookkeeping goes in one

@@ -22,11 +22,17 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SI
 class StopRequest:
     def __init__(self):
         self.signum = None
+        self.asked = False
         self.count = 0
         self._previous = {}
 
     def requested(self):
-        return self.signum is not None
+        return self.signum is not None or self.asked
+
+    def request(self):
+        """A stop the run asks of itself (an epoch's checkpoint that could not be written, on rank 0's
+        logger thread): the loop stops at its next step, where that save's error is raised on every rank."""
+        self.asked = True
 
     @property
     def exit_code(self):
