@@ -8,6 +8,7 @@ evaluation) is in engine.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -421,9 +422,15 @@ def _pictures(run, val, worst, pr):
             run.cam_net = copy.deepcopy(run.step.net)
         run.cam_net.load_state_dict(run.step.net.state_dict())
         cam = _gallery_cam(run.cam_net, run.cfg)
-    job = (figures.epoch_pictures, run.logger, val, worst, run.classes, run.val_loader.dataset,
-           run.run_state.global_step, pr, cam)
+    job = (_on_device, run.step.device, figures.epoch_pictures, run.logger, val, worst, run.classes,
+           run.val_loader.dataset, run.run_state.global_step, pr, cam)
     return job, round(time.perf_counter() - start, 4)
+
+
+def _on_device(device, fn, *args):
+    """fn(*args) with the run's CUDA device current: a new thread's is cuda:0, whatever train.device says."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return fn(*args)
 
 
 def _gallery_cam(net, cfg):
