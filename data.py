@@ -204,9 +204,9 @@ def _shard_split(data_cfg):
             split.rows[part] = order[np.array([at[p] for p, _ in picked], dtype=np.int64)]
     for part in SPLITS:
         setattr(split, part, samples.take(split.rows.get(part, np.zeros(0, dtype=np.int64))))
-    if not len(split.train) or not len(split.val):
+    if not len(split.train) or ((codes >= 0).any() and not len(split.val)):
         raise UserError(f"data.shards '{where}' hold {len(split.train)} training and {len(split.val)} validation "
-                        "images; each needs at least one")
+                        "images; a fixed split needs both")
     _warn_unseen_labels(split, f"data.shards '{where}'")
     return split
 
@@ -479,8 +479,10 @@ class ShardImageList(ImageList):
         self.rows, self.reader = np.asarray(rows, dtype=np.int64), reader
 
     def load(self, i, transform=None):
-        name, data = self.reader.image(int(self.rows[i]))
-        return load_image(name, transform, self.max_pixels, MODES[self.channels], data=data), self.samples[i][1]
+        path, label = self.samples[i]
+        shard, data = self.reader.image(int(self.rows[i]))
+        # Named as the file it was ("cannot decode 'a/1.jpg' in 'shard-000003.tar'").
+        return load_image(f"{path}' in '{shard}", transform, self.max_pixels, MODES[self.channels], data=data), label
 
 
 # --------------------------------------------------------------------------- loaders

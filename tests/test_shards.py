@@ -7,6 +7,7 @@ DDP; a shard that cannot be read stops the run naming it.
 import functools
 import http.server
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -78,6 +79,21 @@ def folders(tmp_path_factory):
     data = make_image_folder(root / "flowers", per_class=6)
     (data / "roses" / "roses_002.jpg").write_bytes(b"\xff\xd8 not a jpeg")
     return data, make_shards(data, root / "flowers_shards", "--per-shard", 7)
+
+
+def test_the_split_from_shards_is_the_split_of_their_folders(folders):
+    """The seeded split and each of data.folds' folds: the same images in the same order, from either."""
+    from data import split_dataset
+    from utils.config import load_config
+
+    data, shards = folders
+    for keys in ([], ["data.val_rate=0.5", "data.split_seed=3"], ["data.folds=3", "data.fold=1"]):
+        from_folders = split_dataset(load_config([f"data.path={data}", *keys]).data)
+        from_shards = split_dataset(load_config([f"data.shards={shards}", *keys]).data)
+        for part in ("train", "val"):
+            want = [(os.path.relpath(p, data), y) for p, y in getattr(from_folders, part)]
+            assert list(getattr(from_shards, part)) == want, (keys, part)
+            assert len(want)
 
 
 @pytest.mark.slow

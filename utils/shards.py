@@ -194,13 +194,12 @@ class ShardReader:
         return self.shards[int(np.searchsorted(self.ends, row, side="right"))]["url"]
 
     def image(self, row):
+        """(the shard's URL, the bytes of image `row`'s file)."""
         try:
             sample = self._dataset()[row]
         except ShardError:
             raise
         except Exception as e:  # noqa: BLE001 - a truncated or garbled tar: the shard's fault, named
             raise ShardError(f"cannot read shard '{self.shard_of(row)}': {type(e).__name__}: {e}") from None
-        files = {k: v.getvalue() if hasattr(v, "getvalue") else v for k, v in sample.items() if not k.startswith("__")}
-        meta = json.loads(files.pop(".json"))
-        data = next(iter(files.values()), b"")  # the image file: the sample's one other member
-        return f"{meta['path']}' in '{sample['__shard__']}", data
+        data = next((v for k, v in sample.items() if k != ".json" and not k.startswith("__")), b"")
+        return sample["__shard__"], data.getvalue() if hasattr(data, "getvalue") else data
