@@ -8,12 +8,14 @@ import functools
 import http.server
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST_ARGS, make_image_folder, run_entry
+from conftest import FAST_ARGS, REPO, free_port, make_image_folder, run_entry
 
 # The numbers a run from shards must reproduce exactly; the rest (times, speeds) differ run to run.
 EXACT = ("epoch", "step", "train_loss", "val_loss", "val_acc", "val_top5", "val_count", "val_per_class_acc",
@@ -122,15 +124,25 @@ def test_training_from_shards_local_and_over_http_gives_the_folders_numbers_bit_
 
 
 @pytest.mark.slow
-def test_ddp_from_shards_over_http_sees_what_ddp_from_folders_sees(folders, tmp_path, served):
-    """2 processes: the same steps and losses as from the folders, and validation counts each of the 5 images
-    once (no padding to 6)."""
+def test_ddp_from_shards_over_http_killed_mid_epoch_sees_what_ddp_from_folders_sees(folders, tmp_path, served):
+    """2 processes: rank 0 killed (kill -9) at the 3rd of 3 steps, torchrun restarts both, --resume auto
+    continues from the step saved before; the same steps and losses as from the folders straight, and
+    validation counts each of the 5 images once (no padding to 6)."""
     data, shards = folders
     (tmp_path / "shards").symlink_to(shards)
-    base = [*FAST_ARGS, f"data.shard_cache={tmp_path / 'cache'}"]
-    for name, args in {"folders": ["--data-path", data], "http": [f"data.shards={served.url}/shards"]}.items():
-        proc = run_entry("train_multi_gpu_ddp.py", *base, *args, "--output-dir", tmp_path / name, nproc=2)
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    base = [*FAST_ARGS, "--resume", "auto", "train.save_every_steps=1", f"data.shard_cache={tmp_path / 'cache'}"]
+    proc = run_entry("train_multi_gpu_ddp.py", *base, "--data-path", data, "--output-dir", tmp_path / "folders",
+                     nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+                             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                             REPO / "tests/_faults.py", "kill:0:2", "train_multi_gpu_ddp.py", *map(str, base),
+                             f"data.shards={served.url}/shards", "--output-dir", tmp_path / "http"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    resumed = [x for x in (killed.stdout + killed.stderr).splitlines() if "resumed from" in x]
+    assert len(resumed) == 1 and resumed[0].endswith("global step 2)"), resumed
     assert metrics(tmp_path / "http") == metrics(tmp_path / "folders")
     assert metrics(tmp_path / "http")[-1]["val_count"] == 5
 
