@@ -21,7 +21,7 @@ Two layouts are accepted under `data.path`:
 or a label file (data.labels, utils/label_file.py) lists the images under `data.path` and their labels,
 one or several per image, with an optional split column (train/val/test) that fixes the split;
 or data.shards names tar shards that tools/make_shards.py packed from either, in a folder or at an
-http(s):// URL (utils/shards.py, docs/shards.md): the same images, the same split, read by index.
+http(s):// or s3:// URL (utils/shards.py, docs/shards.md): the same images, the same split, read by index.
 
 The split rule, for folders and label files alike, is utils/splits.py's: per class, by its own seeded
 generator (or data.folds' stratified folds), so it is the same on every rank and every run, the same for

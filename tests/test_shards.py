@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,31 @@ def served(tmp_path):
     server.close()
 
 
+@pytest.fixture
+def s3(tmp_path):
+    """moto's standalone S3 server on localhost, in a process of its own: (its URL, a boto3 client of it, the
+    environment that points boto3 at it)."""
+    boto3 = pytest.importorskip("boto3")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
+                          aws_secret_access_key="test", region_name="us-east-1")
+    deadline = time.time() + 30
+    while True:
+        try:
+            client.list_buckets()
+            break
+        except Exception:  # noqa: BLE001 - not listening yet
+            assert time.time() < deadline and server.poll() is None, "moto's server did not start"
+            time.sleep(0.2)
+    yield client, env
+    server.terminate()
+    server.wait(10)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """5 classes x 6 images (25 train / 5 val), one of them not an image, and their shards, 7 images each."""
@@ -99,15 +125,21 @@ def test_the_split_from_shards_is_the_split_of_their_folders(folders):
 
 
 @pytest.mark.slow
-def test_training_from_shards_local_and_over_http_gives_the_folders_numbers_bit_for_bit(folders, tmp_path, served):
+def test_training_from_shards_local_over_http_and_s3_gives_the_folders_numbers_bit_for_bit(folders, tmp_path, served,
+                                                                                            s3):
     data, shards = folders
     base = [*FAST_ARGS, f"data.shard_cache={tmp_path / 'cache'}"]
     runs = {"folders": ["--data-path", data], "local": [f"data.shards={shards}"],
             # A cache bound of a few bytes: it keeps only the shard fetched last, and the run still matches.
-            "http": [f"data.shards={served.url}/shards", "data.shard_cache_gb=1e-9"]}
+            "http": [f"data.shards={served.url}/shards", "data.shard_cache_gb=1e-9"],
+            "s3": ["data.shards=s3://bucket/flowers_shards", f"data.shard_cache={tmp_path / 's3_cache'}"]}
     (tmp_path / "shards").symlink_to(shards)
+    client, s3_env = s3
+    client.create_bucket(Bucket="bucket")
+    for f in Path(shards).iterdir():
+        client.upload_file(str(f), "bucket", f"flowers_shards/{f.name}")
     for name, args in runs.items():
-        proc = run_entry("train.py", *base, *args, "--output-dir", tmp_path / name)
+        proc = run_entry("train.py", *base, *args, "--output-dir", tmp_path / name, env=s3_env)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         if name != "folders":
             assert "skipping unreadable image: cannot decode 'roses/roses_002.jpg' in '" in proc.stderr
@@ -116,8 +148,9 @@ def test_training_from_shards_local_and_over_http_gives_the_folders_numbers_bit_
     assert reference[-1]["bad_images"] == 1  # the broken file: skipped and counted, from the folders and the shards
     assert metrics(tmp_path / "local") == reference
     assert metrics(tmp_path / "http") == reference
+    assert metrics(tmp_path / "s3") == reference
     record = [json.loads((tmp_path / n / "run_record.json").read_text())["data"] for n in runs]
-    assert record[0] == record[1] == record[2]  # the same images and labels, split alike
+    assert record[0] == record[1] == record[2] == record[3]  # the same images and labels, split alike
     assert served.requests["/shards/shard-000000.tar"] >= 1
     cached = [p for p in (tmp_path / "cache").rglob("*.tar") if not p.is_symlink()]
     assert len(cached) == 1, cached
