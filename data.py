@@ -198,10 +198,11 @@ def _shard_split(data_cfg):
         groups = [r.get("group") for r in rows]
         groups = [groups[i] for i in order] if any(g is not None for g in groups) else None
         ordered = samples.take(order)
-        at = {p: i for i, (p, _) in enumerate(ordered)}
+        # Each picked sample's row, found by its path (the paths are unique): bytes, not a tuple per sample.
+        at = dict(zip(_path_keys(ordered), range(len(ordered))))
         parts = split_samples(ordered, classes, data_cfg, groups, warn)
         for part, picked in zip(SPLITS, parts):
-            split.rows[part] = order[np.array([at[p] for p, _ in picked], dtype=np.int64)]
+            split.rows[part] = order[np.fromiter(map(at.__getitem__, _path_keys(picked)), np.int64, len(picked))]
     for part in SPLITS:
         setattr(split, part, samples.take(split.rows.get(part, np.zeros(0, dtype=np.int64))))
     if not len(split.train) or ((codes >= 0).any() and not len(split.val)):
@@ -209,6 +210,12 @@ def _shard_split(data_cfg):
                         "images; a fixed split needs both")
     _warn_unseen_labels(split, f"data.shards '{where}'")
     return split
+
+
+def _path_keys(samples):
+    """Each sample's path as bytes, straight from the SampleList's arrays."""
+    blob, ends = samples.paths.tobytes(), samples.offsets.tolist()
+    return [blob[a:b] for a, b in zip(ends[:-1], ends[1:])]
 
 
 def all_samples(path, labels=None):
