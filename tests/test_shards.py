@@ -196,6 +196,14 @@ def test_a_shard_that_fails_past_its_retries_stops_the_run_in_one_line_naming_it
         assert len(errors) == 1 and f"shard '{served.url}/shards/{shard}' after 2 tries" in errors[0], proc.stderr
         assert why in errors[0]
         assert served.requests[f"/shards/{shard}"] == 2
+    # A URL that is not there is not retried: one request, one line, the usage's exit status.
+    served.requests.clear()
+    proc = run_entry("train.py", *FAST_ARGS, f"data.shards={served.url}/shardz", "data.shard_retries=2",
+                     "--output-dir", tmp_path / "typo")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == [f"error: data.shards: cannot read '{served.url}/shardz/index.json' "
+                                               "after 1 try: HTTP 404 File not found"], proc.stderr[-3000:]
+    assert served.requests == {"/shardz/index.json": 1}
 
 
 @pytest.mark.slow

@@ -72,6 +72,21 @@ def _open(url, timeout=60):
     return contextlib.closing(client.get_object(Bucket=parts.netloc, Key=parts.path.lstrip("/"))["Body"])
 
 
+def _tries(attempt):
+    return f"{attempt + 1} {'try' if attempt == 0 else 'tries'}"
+
+
+def _permanent(e):
+    """A refusal that no retry changes: not found, forbidden (a server's or a network's failure is retried)."""
+    code = getattr(e, "code", None) if isinstance(e, urllib.error.HTTPError) else None
+    error = getattr(e, "response", None)
+    if isinstance(error, dict) and "Error" in error:
+        code = error["Error"].get("Code")
+        code = int(code) if str(code).isdigit() else {"NoSuchKey": 404, "NoSuchBucket": 404, "AccessDenied": 403,
+                                                        "InvalidAccessKeyId": 403, "SignatureDoesNotMatch": 403}.get(code)
+    return code is not None and 400 <= code < 500 and code not in (408, 429)
+
+
 def _why(e):
     """Why a fetch failed, in a few words."""
     if isinstance(e, urllib.error.HTTPError):
@@ -105,7 +120,9 @@ def read_bytes(location, retries=3, timeout=60):
             raise
         except Exception as e:  # noqa: BLE001 - the network's and the server's failures alike are retried
             why = _why(e)
-    raise ShardError(f"cannot read '{location}' after {max(retries, 1)} tries: {why}")
+            if _permanent(e):
+                break
+    raise ShardError(f"cannot read '{location}' after {_tries(attempt)}: {why}")
 
 
 def read_index(location, retries=3):
@@ -173,10 +190,12 @@ class Fetcher:
                 raise
             except Exception as e:  # noqa: BLE001 - as in read_bytes
                 why = _why(e)
+                if _permanent(e):
+                    break
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-        raise ShardError(f"cannot read shard '{url}' after {max(self.retries, 1)} tries: {why}; when it is "
+        raise ShardError(f"cannot read shard '{url}' after {_tries(attempt)}: {why}; when it is "
                          "back, continue with --resume auto")
 
     def _evict(self, keep):
