@@ -109,6 +109,7 @@ def folders(tmp_path_factory):
     return data, make_shards(data, root / "flowers_shards", "--per-shard", 7)
 
 
+@pytest.mark.slow  # the module's shards take a make_shards.py process
 def test_the_split_from_shards_is_the_split_of_their_folders(folders):
     """The seeded split and each of data.folds' folds: the same images in the same order, from either."""
     from data import split_dataset
