@@ -166,6 +166,9 @@ def _shard_split(data_cfg):
     """data.shards -> Split: the shards' split field fixes the split; without one, the rows are split by the rule
     folders and label files are (utils/splits.py), on the paths they were packed from: the same split."""
     where = data_cfg.shards
+    if data_cfg.labels:
+        raise UserError(f"data.shards and data.labels both name the data; the shards '{where}' carry their labels: "
+                        "set data.labels=null (or data.shards=null)")
     index, rows = read_index(where, data_cfg.shard_retries)
     classes, multilabel = index["classes"], index["multilabel"]
     paths = [r["path"] for r in rows]

@@ -233,9 +233,10 @@ def test_make_shards_packs_a_multilabel_label_file_with_its_split_and_groups_and
 
 
 @pytest.mark.slow
-def test_data_verify_with_shards_is_refused_in_one_line(folders, tmp_path):
+def test_data_verify_or_a_label_file_with_shards_is_refused_in_one_line(folders, tmp_path):
     _, shards = folders
-    proc = run_entry("train.py", *FAST_ARGS, f"data.shards={shards}", "data.verify=true",
-                     "--output-dir", tmp_path / "run")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.verify=true decodes image files")
+    for key, said in (("data.verify=true", "error: data.verify=true decodes image files"),
+                      ("data.labels=labels.csv", "error: data.shards and data.labels both name the data")):
+        proc = run_entry("train.py", *FAST_ARGS, f"data.shards={shards}", key, "--output-dir", tmp_path / "run")
+        assert proc.returncode == 2
+        assert [x for x in proc.stderr.splitlines() if x.startswith("error:")][0].startswith(said), proc.stderr
