@@ -21,7 +21,7 @@ Two layouts are accepted under `data.path`:
 or a label file (data.labels, utils/label_file.py) lists the images under `data.path` and their labels,
 one or several per image, with an optional split column (train/val/test) that fixes the split;
 or data.shards names tar shards that tools/make_shards.py packed from either, in a folder or at an
-http(s):// URL (utils/shards.py, docs/shards.md): the same images, the same split, read by index.
+http(s):// or s3:// URL (utils/shards.py, docs/shards.md): the same images, the same split, read by index.
 
 The split rule, for folders and label files alike, is utils/splits.py's: per class, by its own seeded
 generator (or data.folds' stratified folds), so it is the same on every rank and every run, the same for
@@ -166,6 +166,9 @@ def _shard_split(data_cfg):
     """data.shards -> Split: the shards' split field fixes the split; without one, the rows are split by the rule
     folders and label files are (utils/splits.py), on the paths they were packed from: the same split."""
     where = data_cfg.shards
+    if data_cfg.labels:
+        raise UserError(f"data.shards and data.labels both name the data; the shards '{where}' carry their labels: "
+                        "set data.labels=null (or data.shards=null)")
     index, rows = read_index(where, data_cfg.shard_retries)
     classes, multilabel = index["classes"], index["multilabel"]
     paths = [r["path"] for r in rows]
@@ -198,17 +201,24 @@ def _shard_split(data_cfg):
         groups = [r.get("group") for r in rows]
         groups = [groups[i] for i in order] if any(g is not None for g in groups) else None
         ordered = samples.take(order)
-        at = {p: i for i, (p, _) in enumerate(ordered)}
+        # Each picked sample's row, found by its path (the paths are unique): bytes, not a tuple per sample.
+        at = dict(zip(_path_keys(ordered), range(len(ordered))))
         parts = split_samples(ordered, classes, data_cfg, groups, warn)
         for part, picked in zip(SPLITS, parts):
-            split.rows[part] = order[np.array([at[p] for p, _ in picked], dtype=np.int64)]
+            split.rows[part] = order[np.fromiter(map(at.__getitem__, _path_keys(picked)), np.int64, len(picked))]
     for part in SPLITS:
         setattr(split, part, samples.take(split.rows.get(part, np.zeros(0, dtype=np.int64))))
-    if not len(split.train) or not len(split.val):
+    if not len(split.train) or ((codes >= 0).any() and not len(split.val)):
         raise UserError(f"data.shards '{where}' hold {len(split.train)} training and {len(split.val)} validation "
-                        "images; each needs at least one")
+                        "images; a fixed split needs both")
     _warn_unseen_labels(split, f"data.shards '{where}'")
     return split
+
+
+def _path_keys(samples):
+    """Each sample's path as bytes, straight from the SampleList's arrays."""
+    blob, ends = samples.paths.tobytes(), samples.offsets.tolist()
+    return [blob[a:b] for a, b in zip(ends[:-1], ends[1:])]
 
 
 def all_samples(path, labels=None):
@@ -479,8 +489,10 @@ class ShardImageList(ImageList):
         self.rows, self.reader = np.asarray(rows, dtype=np.int64), reader
 
     def load(self, i, transform=None):
-        name, data = self.reader.image(int(self.rows[i]))
-        return load_image(name, transform, self.max_pixels, MODES[self.channels], data=data), self.samples[i][1]
+        path, label = self.samples[i]
+        shard, data = self.reader.image(int(self.rows[i]))
+        # Named as the file it was ("cannot decode 'a/1.jpg' in 'shard-000003.tar'").
+        return load_image(f"{path}' in '{shard}", transform, self.max_pixels, MODES[self.channels], data=data), label
 
 
 # --------------------------------------------------------------------------- loaders

@@ -7,12 +7,16 @@ DDP; a shard that cannot be read stops the run naming it.
 import functools
 import http.server
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST_ARGS, make_image_folder, run_entry
+from conftest import FAST_ARGS, REPO, free_port, make_image_folder, run_entry
 
 # The numbers a run from shards must reproduce exactly; the rest (times, speeds) differ run to run.
 EXACT = ("epoch", "step", "train_loss", "val_loss", "val_acc", "val_top5", "val_count", "val_per_class_acc",
@@ -71,6 +75,31 @@ def served(tmp_path):
     server.close()
 
 
+@pytest.fixture
+def s3(tmp_path):
+    """moto's standalone S3 server on localhost, in a process of its own: (its URL, a boto3 client of it, the
+    environment that points boto3 at it)."""
+    boto3 = pytest.importorskip("boto3")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
+                          aws_secret_access_key="test", region_name="us-east-1")
+    deadline = time.time() + 30
+    while True:
+        try:
+            client.list_buckets()
+            break
+        except Exception:  # noqa: BLE001 - not listening yet
+            assert time.time() < deadline and server.poll() is None, "moto's server did not start"
+            time.sleep(0.2)
+    yield client, env
+    server.terminate()
+    server.wait(10)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """5 classes x 6 images (25 train / 5 val), one of them not an image, and their shards, 7 images each."""
@@ -80,16 +109,38 @@ def folders(tmp_path_factory):
     return data, make_shards(data, root / "flowers_shards", "--per-shard", 7)
 
 
+@pytest.mark.slow  # the module's shards take a make_shards.py process
+def test_the_split_from_shards_is_the_split_of_their_folders(folders):
+    """The seeded split and each of data.folds' folds: the same images in the same order, from either."""
+    from data import split_dataset
+    from utils.config import load_config
+
+    data, shards = folders
+    for keys in ([], ["data.val_rate=0.5", "data.split_seed=3"], ["data.folds=3", "data.fold=1"]):
+        from_folders = split_dataset(load_config([f"data.path={data}", *keys]).data)
+        from_shards = split_dataset(load_config([f"data.shards={shards}", *keys]).data)
+        for part in ("train", "val"):
+            want = [(os.path.relpath(p, data), y) for p, y in getattr(from_folders, part)]
+            assert list(getattr(from_shards, part)) == want, (keys, part)
+            assert len(want)
+
+
 @pytest.mark.slow
-def test_training_from_shards_local_and_over_http_gives_the_folders_numbers_bit_for_bit(folders, tmp_path, served):
+def test_training_from_shards_local_over_http_and_s3_gives_the_folders_numbers_bit_for_bit(folders, tmp_path, served,
+                                                                                            s3):
     data, shards = folders
     base = [*FAST_ARGS, f"data.shard_cache={tmp_path / 'cache'}"]
     runs = {"folders": ["--data-path", data], "local": [f"data.shards={shards}"],
             # A cache bound of a few bytes: it keeps only the shard fetched last, and the run still matches.
-            "http": [f"data.shards={served.url}/shards", "data.shard_cache_gb=1e-9"]}
+            "http": [f"data.shards={served.url}/shards", "data.shard_cache_gb=1e-9"],
+            "s3": ["data.shards=s3://bucket/flowers_shards", f"data.shard_cache={tmp_path / 's3_cache'}"]}
     (tmp_path / "shards").symlink_to(shards)
+    client, s3_env = s3
+    client.create_bucket(Bucket="bucket")
+    for f in Path(shards).iterdir():
+        client.upload_file(str(f), "bucket", f"flowers_shards/{f.name}")
     for name, args in runs.items():
-        proc = run_entry("train.py", *base, *args, "--output-dir", tmp_path / name)
+        proc = run_entry("train.py", *base, *args, "--output-dir", tmp_path / name, env=s3_env)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         if name != "folders":
             assert "skipping unreadable image: cannot decode 'roses/roses_002.jpg' in '" in proc.stderr
@@ -98,23 +149,34 @@ def test_training_from_shards_local_and_over_http_gives_the_folders_numbers_bit_
     assert reference[-1]["bad_images"] == 1  # the broken file: skipped and counted, from the folders and the shards
     assert metrics(tmp_path / "local") == reference
     assert metrics(tmp_path / "http") == reference
+    assert metrics(tmp_path / "s3") == reference
     record = [json.loads((tmp_path / n / "run_record.json").read_text())["data"] for n in runs]
-    assert record[0] == record[1] == record[2]  # the same images and labels, split alike
+    assert record[0] == record[1] == record[2] == record[3]  # the same images and labels, split alike
     assert served.requests["/shards/shard-000000.tar"] >= 1
     cached = [p for p in (tmp_path / "cache").rglob("*.tar") if not p.is_symlink()]
     assert len(cached) == 1, cached
 
 
 @pytest.mark.slow
-def test_ddp_from_shards_over_http_sees_what_ddp_from_folders_sees(folders, tmp_path, served):
-    """2 processes: the same steps and losses as from the folders, and validation counts each of the 5 images
-    once (no padding to 6)."""
+def test_ddp_from_shards_over_http_killed_mid_epoch_sees_what_ddp_from_folders_sees(folders, tmp_path, served):
+    """2 processes: rank 0 killed (kill -9) at the 3rd of 3 steps, torchrun restarts both, --resume auto
+    continues from the step saved before; the same steps and losses as from the folders straight, and
+    validation counts each of the 5 images once (no padding to 6)."""
     data, shards = folders
     (tmp_path / "shards").symlink_to(shards)
-    base = [*FAST_ARGS, f"data.shard_cache={tmp_path / 'cache'}"]
-    for name, args in {"folders": ["--data-path", data], "http": [f"data.shards={served.url}/shards"]}.items():
-        proc = run_entry("train_multi_gpu_ddp.py", *base, *args, "--output-dir", tmp_path / name, nproc=2)
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    base = [*FAST_ARGS, "--resume", "auto", "train.save_every_steps=1", f"data.shard_cache={tmp_path / 'cache'}"]
+    proc = run_entry("train_multi_gpu_ddp.py", *base, "--data-path", data, "--output-dir", tmp_path / "folders",
+                     nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+                             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                             REPO / "tests/_faults.py", "kill:0:2", "train_multi_gpu_ddp.py", *map(str, base),
+                             f"data.shards={served.url}/shards", "--output-dir", tmp_path / "http"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    resumed = [x for x in (killed.stdout + killed.stderr).splitlines() if "resumed from" in x]
+    assert len(resumed) == 1 and resumed[0].endswith("global step 2)"), resumed
     assert metrics(tmp_path / "http") == metrics(tmp_path / "folders")
     assert metrics(tmp_path / "http")[-1]["val_count"] == 5
 
@@ -135,6 +197,14 @@ def test_a_shard_that_fails_past_its_retries_stops_the_run_in_one_line_naming_it
         assert len(errors) == 1 and f"shard '{served.url}/shards/{shard}' after 2 tries" in errors[0], proc.stderr
         assert why in errors[0]
         assert served.requests[f"/shards/{shard}"] == 2
+    # A URL that is not there is not retried: one request, one line, the usage's exit status.
+    served.requests.clear()
+    proc = run_entry("train.py", *FAST_ARGS, f"data.shards={served.url}/shardz", "data.shard_retries=2",
+                     "--output-dir", tmp_path / "typo")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == [f"error: data.shards: cannot read '{served.url}/shardz/index.json' "
+                                               "after 1 try: HTTP 404 File not found"], proc.stderr[-3000:]
+    assert served.requests == {"/shardz/index.json": 1}
 
 
 @pytest.mark.slow
@@ -163,9 +233,10 @@ def test_make_shards_packs_a_multilabel_label_file_with_its_split_and_groups_and
 
 
 @pytest.mark.slow
-def test_data_verify_with_shards_is_refused_in_one_line(folders, tmp_path):
+def test_data_verify_or_a_label_file_with_shards_is_refused_in_one_line(folders, tmp_path):
     _, shards = folders
-    proc = run_entry("train.py", *FAST_ARGS, f"data.shards={shards}", "data.verify=true",
-                     "--output-dir", tmp_path / "run")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.verify=true decodes image files")
+    for key, said in (("data.verify=true", "error: data.verify=true decodes image files"),
+                      ("data.labels=labels.csv", "error: data.shards and data.labels both name the data")):
+        proc = run_entry("train.py", *FAST_ARGS, f"data.shards={shards}", key, "--output-dir", tmp_path / "run")
+        assert proc.returncode == 2
+        assert [x for x in proc.stderr.splitlines() if x.startswith("error:")][0].startswith(said), proc.stderr

@@ -1,9 +1,10 @@
-"""data.shards: images packed in WebDataset tar shards, on a local disk or at an http(s):// URL, read by index.
+"""data.shards: images packed in WebDataset tar shards, on a local disk, at an http(s):// or s3:// URL, read by index.
 
     python tools/make_shards.py data/demo_flowers --out data/demo_shards       # prints the value below
     python train.py --config configs/demo.yaml data.shards=data/demo_shards
     python -m http.server 8000 -d data &                                       # any web server, or a bucket's URL
     python train.py --config configs/demo.yaml data.shards=http://localhost:8000/demo_shards
+    AWS_ENDPOINT_URL=https://minio.example:9000 python train.py ... data.shards=s3://bucket/demo_shards   # boto3
 
 A shard folder holds shard-000000.tar, ... (WebDataset's layout: per image KEY.jpg, the file's bytes as they were,
 and KEY.json, its path, labels, split and group), index.json (wids's descriptor: each shard's name, sample count,
@@ -46,7 +47,54 @@ class ShardError(UserError):
 
 
 def is_url(location):
-    return urlparse(str(location)).scheme in ("http", "https")
+    return urlparse(str(location)).scheme in ("http", "https", "s3")
+
+
+_S3 = {}
+
+
+def _open(url, timeout=60):
+    """A readable stream of `url`'s bytes: http(s) by urllib; s3://BUCKET/KEY by boto3, its endpoint, keys and
+    region from the usual AWS_* variables or ~/.aws (AWS_ENDPOINT_URL for an S3-compatible store)."""
+    parts = urlparse(url)
+    if parts.scheme != "s3":
+        return urllib.request.urlopen(url, timeout=timeout)
+    client = _S3.get(os.getpid())
+    if client is None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise UserError(f"data.shards '{url}': s3:// needs boto3 (pip install boto3)") from None
+        # One policy of retries, this module's: boto3's own would multiply them.
+        client = _S3[os.getpid()] = boto3.client("s3", config=Config(
+            retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=timeout, read_timeout=timeout))
+    return contextlib.closing(client.get_object(Bucket=parts.netloc, Key=parts.path.lstrip("/"))["Body"])
+
+
+def _tries(attempt):
+    return f"{attempt + 1} {'try' if attempt == 0 else 'tries'}"
+
+
+def _permanent(e):
+    """A refusal that no retry changes: not found, forbidden (a server's or a network's failure is retried)."""
+    code = getattr(e, "code", None) if isinstance(e, urllib.error.HTTPError) else None
+    error = getattr(e, "response", None)
+    if isinstance(error, dict) and "Error" in error:
+        code = error["Error"].get("Code")
+        code = int(code) if str(code).isdigit() else {"NoSuchKey": 404, "NoSuchBucket": 404, "AccessDenied": 403,
+                                                        "InvalidAccessKeyId": 403, "SignatureDoesNotMatch": 403}.get(code)
+    return code is not None and 400 <= code < 500 and code not in (408, 429)
+
+
+def _why(e):
+    """Why a fetch failed, in a few words."""
+    if isinstance(e, urllib.error.HTTPError):
+        return f"HTTP {e.code} {e.reason}"
+    error = getattr(e, "response", None)
+    if isinstance(error, dict) and "Error" in error:  # botocore's ClientError
+        return f"S3 {error['Error'].get('Code')} {error['Error'].get('Message', '')}".strip()
+    return str(getattr(e, "reason", None) or e)
 
 
 def join(base, name):
@@ -66,13 +114,15 @@ def read_bytes(location, retries=3, timeout=60):
         if attempt:
             time.sleep(min(0.5 * 2 ** (attempt - 1), 10))
         try:
-            with urllib.request.urlopen(location, timeout=timeout) as response:
+            with _open(location, timeout) as response:
                 return response.read()
-        except urllib.error.HTTPError as e:
-            why = f"HTTP {e.code} {e.reason}"
-        except (urllib.error.URLError, OSError) as e:
-            why = str(getattr(e, "reason", None) or e)
-    raise ShardError(f"cannot read '{location}' after {max(retries, 1)} tries: {why}")
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the network's and the server's failures alike are retried
+            why = _why(e)
+            if _permanent(e):
+                break
+    raise ShardError(f"cannot read '{location}' after {_tries(attempt)}: {why}")
 
 
 def read_index(location, retries=3):
@@ -82,7 +132,8 @@ def read_index(location, retries=3):
                         "python tools/make_shards.py SRC --out DIR and set data.shards=DIR")
     try:
         index = json.loads(read_bytes(join(location, INDEX), retries))
-        rows = [json.loads(line) for line in read_bytes(join(location, SAMPLES), retries).splitlines() if line]
+        lines = read_bytes(join(location, SAMPLES), retries).splitlines()
+        rows = json.loads(b"[" + b",".join(line for line in lines if line.strip()) + b"]")  # one parse, not one a row
     except ShardError as e:
         raise UserError(f"data.shards: {e}") from None
     except ValueError as e:
@@ -126,7 +177,7 @@ class Fetcher:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 10))
             fd, tmp = tempfile.mkstemp(dir=self.cache_dir, suffix=".part")
             try:
-                with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+                with os.fdopen(fd, "wb") as out, _open(url) as response:
                     while chunk := response.read(1 << 20):
                         out.write(chunk)
                 got = os.path.getsize(tmp)
@@ -135,14 +186,16 @@ class Fetcher:
                     continue
                 os.replace(tmp, local)
                 return
-            except urllib.error.HTTPError as e:
-                why = f"HTTP {e.code} {e.reason}"
-            except (urllib.error.URLError, OSError) as e:
-                why = str(getattr(e, "reason", None) or e)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - as in read_bytes
+                why = _why(e)
+                if _permanent(e):
+                    break
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-        raise ShardError(f"cannot read shard '{url}' after {max(self.retries, 1)} tries: {why}; when it is "
+        raise ShardError(f"cannot read shard '{url}' after {_tries(attempt)}: {why}; when it is "
                          "back, continue with --resume auto")
 
     def _evict(self, keep):
@@ -194,13 +247,12 @@ class ShardReader:
         return self.shards[int(np.searchsorted(self.ends, row, side="right"))]["url"]
 
     def image(self, row):
+        """(the shard's URL, the bytes of image `row`'s file)."""
         try:
             sample = self._dataset()[row]
         except ShardError:
             raise
         except Exception as e:  # noqa: BLE001 - a truncated or garbled tar: the shard's fault, named
             raise ShardError(f"cannot read shard '{self.shard_of(row)}': {type(e).__name__}: {e}") from None
-        files = {k: v.getvalue() if hasattr(v, "getvalue") else v for k, v in sample.items() if not k.startswith("__")}
-        meta = json.loads(files.pop(".json"))
-        data = next(iter(files.values()), b"")  # the image file: the sample's one other member
-        return f"{meta['path']}' in '{sample['__shard__']}", data
+        data = next((v for k, v in sample.items() if k != ".json" and not k.startswith("__")), b"")
+        return sample["__shard__"], data.getvalue() if hasattr(data, "getvalue") else data
