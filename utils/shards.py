@@ -18,7 +18,6 @@ an error page as the shard), retried data.shard_retries times and checked agains
 keeps the most recently fetched shards within data.shard_cache_gb. A local shard is read where it lies.
 """
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -163,6 +162,7 @@ class Fetcher:
             if not os.path.isfile(url):
                 raise ShardError(f"cannot read shard '{url}': no such file")
             return local
+        import fcntl  # here: POSIX only, and data.py (which imports this module) also runs on Windows
         with open(local + ".fetch", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch per node; the others wait and find it
             if not os.path.isfile(local):
