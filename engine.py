@@ -237,8 +237,9 @@ def _forward_backward(step, images, targets, stepping):
 
 
 @record_function("optimizer step")
-def _optimizer_step(step, window, params_to_clip):
-    """Clip the gradients of `params_to_clip` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
+def _optimizer_step(step, window, params_to_clip, global_step=None):
+    """Clip the gradients of `params_to_clip` (adding the pre-clip norm to the window), step, update the scale,
+    schedule and EMA. global_step: the run's optimizer steps with this one (the EMA warm-up's count)."""
     if step.clip_grad_norm:
         step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the loss-scaled ones
         norm = torch.nn.utils.clip_grad_norm_(params_to_clip, step.clip_grad_norm)  # no host sync
@@ -249,7 +250,7 @@ def _optimizer_step(step, window, params_to_clip):
     step.scheduler.step()
     step.optimizer.zero_grad(set_to_none=True)
     if step.ema is not None:
-        step.ema.update()
+        step.ema.update(global_step)
 
 
 class _Window:
@@ -338,7 +339,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         window.add_batch(loss, labels.shape[0], global_step)
         if not stepping:
             continue
-        _optimizer_step(step, window, params_to_clip)
+        _optimizer_step(step, window, params_to_clip, global_step + 1)
         window.steps += 1
         global_step += 1
         last = i == used - 1
@@ -640,7 +641,8 @@ def build_step(cfg, model, train_loader, classes, dist_info):
                 criterion=criterion, amp_dtype=amp_dtype, channels_last=channels_last, accum_steps=accum,
                 clip_grad_norm=cfg.optim.clip_grad_norm,
                 mix=batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes), multilabel),
-                ema=WeightEMA(network, cfg.train.ema_decay) if cfg.train.ema_decay else None, net=network,
+                ema=WeightEMA(network, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay else None,
+                net=network,
                 unfreeze_at=cfg.train.unfreeze_at,
                 body_norms=param_groups.body_norms(network, head) if cfg.train.unfreeze_at else [])
     layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, steps, len(train_loader.dataset),

@@ -92,7 +92,7 @@ def test_layer_decay_on_a_model_without_blocks_is_one_error_line(data, tmp_path)
 # A torchvision ResNet by utils/fsdp.py's blocks (stem 0, layer1..layer4 1..4, fc 5), the head at 10x, the body
 # held at lr 0 for epoch 1 and ramped up over epoch 2, with the EMA and 2 batches per step.
 RAMP = ["optim.layer_decay=0.5", "optim.head_lr_scale=10", "train.unfreeze_at=1", "train.unfreeze_warmup=1",
-        "train.ema_decay=0.9", "train.accum_steps=2"]
+        "train.ema_decay=0.9", "train.ema_warmup=true", "train.accum_steps=2"]
 
 
 @pytest.mark.slow

@@ -114,6 +114,7 @@ class TrainConfig:
     early_stop_patience: int = MISSING
     unfreeze_at: int = MISSING
     unfreeze_warmup: float = MISSING
+    ema_warmup: bool = MISSING
 
 
 @dataclass
@@ -326,6 +327,8 @@ def _check_ranges(cfg):
         bad("train.unfreeze_at", f"{cfg.train.unfreeze_at}; 0 (off) or an epoch before train.epochs={cfg.train.epochs}")
     if cfg.train.unfreeze_warmup < 0:
         bad("train.unfreeze_warmup", f"{cfg.train.unfreeze_warmup}; 0 (at once) or a number of epochs")
+    if cfg.train.ema_warmup and not cfg.train.ema_decay:
+        bad("train.ema_warmup", "warms up train.ema_decay's average; set train.ema_decay too (e.g. 0.999)")
     if cfg.train.unfreeze_at and cfg.model.freeze_layers:
         raise UserError("train.unfreeze_at holds the body at lr 0 for some epochs, model.freeze_layers for all of "
                         "them; set one of the two")
