@@ -165,6 +165,18 @@ def check_model_config(cfg):
 
 
 @register_check
+def check_teacher(cfg):
+    """train.teacher names a run directory or checkpoint that is there, or a timm model whose weights are in the
+    local cache: checked at config time (eval-only and prediction do not read it)."""
+    source = cfg.train.teacher
+    if source and not cfg.eval_only:
+        if is_timm(source):
+            check_model(source, "DEFAULT", cfg.data.img_size)
+        else:
+            checkpoint_path(source)
+
+
+@register_check
 def check_cam_layer(cfg):
     """model.cam_layer names a module of the model: checked on its structure alone (the meta device)."""
     if cfg.model.cam_layer:
@@ -595,3 +607,49 @@ def load_trained(source):
         raise UserError(f"checkpoint '{path}' does not fit a {name}: {str(e).splitlines()[0]}")
     model.multilabel, model.thresholds = label_task(state)  # how predict.py and export.py read its outputs
     return model.eval(), classes, config, path
+
+
+def load_teacher(source, classes, multilabel, img_size, channels, device, channels_last=False):
+    """train.teacher -> (eval-mode teacher on `device` without gradients, {"source", "path", "sha256"}).
+
+    RUN_DIR or CHECKPOINT: a run of this template (load_trained: its architecture, its best weights), whose
+    class list and task must be this data's. timm/<name>[.<tag>]: timm's weights from the local Hugging
+    Face cache only (timm_weights), whose classifier must already have one output per class here. Its
+    forward must take data.img_size; each mismatch is one error line before any training."""
+    import hashlib
+
+    if is_timm(source):
+        arch, path = timm_weights(source, "DEFAULT")
+        teacher = create_model(source, num_classes=len(classes), img_size=img_size, pretrained="DEFAULT",
+                               channels=channels)
+        theirs = teacher.pretrained_cfg.get("num_classes")
+        if theirs != len(classes):
+            raise UserError(f"train.teacher={source}: its weights ({TIMM_PREFIX}{arch}) have {theirs} classes, the "
+                            f"data {len(classes)}; fine-tune it on this data first (train.py --config "
+                            "configs/finetune.yaml ...) and pass that run directory", every_rank=True)
+        task = False
+    else:
+        teacher, theirs, _, path = load_trained(source)
+        if theirs != list(classes):
+            raise UserError(f"train.teacher={source}: its classes {theirs[:5]}{'...' if len(theirs) > 5 else ''} "
+                            f"are not this data's {list(classes)[:5]}{'...' if len(classes) > 5 else ''}; a "
+                            "teacher must be trained on the same class list", every_rank=True)
+        task = bool(teacher.multilabel)
+    if task != bool(multilabel):
+        kind = {True: "multi-label", False: "single-label"}
+        raise UserError(f"train.teacher={source} is {kind[task]}, the data is {kind[bool(multilabel)]}",
+                        every_rank=True)
+    teacher = teacher.eval().requires_grad_(False).to(device)
+    if use_channels_last(channels_last, device):
+        teacher.to(memory_format=torch.channels_last)
+    try:
+        with torch.no_grad():
+            teacher(torch.zeros(1, channels, img_size, img_size, device=device))
+    except (RuntimeError, ValueError, AssertionError, IndexError) as e:
+        raise UserError(f"train.teacher={source} does not run at data.img_size={img_size}: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", every_rank=True)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return teacher, {"source": str(source), "path": str(Path(path).resolve()), "sha256": digest.hexdigest()}

@@ -115,6 +115,9 @@ class TrainConfig:
     unfreeze_at: int = MISSING
     unfreeze_warmup: float = MISSING
     ema_warmup: bool = MISSING
+    teacher: Optional[str] = MISSING
+    kd_alpha: float = MISSING
+    kd_temperature: float = MISSING
 
 
 @dataclass
@@ -329,6 +332,10 @@ def _check_ranges(cfg):
         bad("train.unfreeze_warmup", f"{cfg.train.unfreeze_warmup}; 0 (at once) or a number of epochs")
     if cfg.train.ema_warmup and not cfg.train.ema_decay:
         bad("train.ema_warmup", "warms up train.ema_decay's average; set train.ema_decay too (e.g. 0.999)")
+    if not 0.0 < cfg.train.kd_alpha <= 1.0:
+        bad("train.kd_alpha", f"{cfg.train.kd_alpha}; the distillation term's weight, in (0, 1]")
+    if not cfg.train.kd_temperature > 0:
+        bad("train.kd_temperature", f"{cfg.train.kd_temperature}; more than 0 (1 = the outputs as they are)")
     if cfg.train.unfreeze_at and cfg.model.freeze_layers:
         raise UserError("train.unfreeze_at holds the body at lr 0 for some epochs, model.freeze_layers for all of "
                         "them; set one of the two")
