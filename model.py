@@ -306,14 +306,22 @@ def _takes(constructor, keyword):
 
 
 def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None, log=None, channels=3,
-                 zero_init_residual=False):
+                 zero_init_residual=False, drop_path=0.0):
     """A model with `num_classes` outputs: your own from MODELS, or torchvision's `name`, randomly
     initialised or with the pretrained weights `pretrained` from the local hub cache (head replaced).
     `img_size` sets the input size of models that fix it (ViT, MaxViT). channels=1 (data.channels):
     the model reads grey images (adapt_first_conv). zero_init_residual (model.zero_init_residual): the
-    builders that take it start each residual block's last BatchNorm at 0 (torchvision's own default: off)."""
+    builders that take it start each residual block's last BatchNorm at 0 (torchvision's own default: off).
+    drop_path (model.drop_path): timm's drop_path_rate, torchvision's stochastic_depth_prob (ConvNeXt, Swin,
+    EfficientNet, MaxViT...); a model that takes neither stops in one line."""
     check_model(name, pretrained, img_size)  # also here for callers that skip the config (tests, tools)
-    model = _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual)
+    try:
+        model = _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual, drop_path)
+    except TypeError as e:
+        if drop_path and any(k in str(e) for k in ("drop_path_rate", "stochastic_depth_prob")):
+            raise UserError(f"model.drop_path={drop_path}: model.name={name} has no drop path (stochastic depth) to "
+                            "set; set model.drop_path=0", every_rank=True) from None
+        raise
     if channels != 3:  # timm builds for in_chans itself (and sums pretrained RGB kernels as we do)
         conv = model.pretrained_cfg.get("first_conv") if is_timm(name) else adapt_first_conv(model, name, channels)
         if log:
@@ -322,16 +330,18 @@ def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None,
     return model
 
 
-def _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual=False):
+def _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual=False, drop_path=0.0):
+    if name in MODELS and drop_path:
+        raise TypeError("unexpected keyword argument 'drop_path_rate'")  # your own model: set it in MODELS
     if name in MODELS:
         constructor = MODELS[name]
         if _takes(constructor, "in_chans"):
             return constructor(num_classes=num_classes, in_chans=channels)
         return constructor(num_classes=num_classes)
     if is_timm(name):
-        return _create_timm(name, num_classes, img_size, pretrained, log, channels)
+        return _create_timm(name, num_classes, img_size, pretrained, log, channels, drop_path)
     builder = torchvision.models.get_model_builder(name)
-    kwargs = {}
+    kwargs = {"stochastic_depth_prob": drop_path} if drop_path else {}
     if img_size and _size_kwarg(name):
         kwargs[_size_kwarg(name)] = img_size if _size_kwarg(name) == "image_size" else (img_size, img_size)
     optional = {**_OPTIONAL_KWARGS, "zero_init_residual": bool(zero_init_residual)}
@@ -352,12 +362,13 @@ def _create(name, num_classes, img_size, pretrained, log, channels, zero_init_re
     return model
 
 
-def _create_timm(name, num_classes, img_size, pretrained, log, channels):
+def _create_timm(name, num_classes, img_size, pretrained, log, channels, drop_path=0.0):
     """timm.create_model for data.channels (in_chans) and data.img_size (img_size, for the models that take
     it: ViT, Swin...). Pretrained: the cached file (timm_weights) through timm's own loader, which leaves
     out a classifier of another class count and sums RGB kernels for one channel."""
     arch = name[len(TIMM_PREFIX):]
-    kwargs = {"pretrained": False, "num_classes": num_classes, "in_chans": channels}
+    kwargs = {"pretrained": False, "num_classes": num_classes, "in_chans": channels,
+              **({"drop_path_rate": drop_path} if drop_path else {})}
     if pretrained:
         arch, path = timm_weights(name, pretrained)
         kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(path)})  # timm reads this file only
@@ -537,7 +548,7 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None, cha
     `channels` (data.channels): 3, or 1 for grey images (adapt_first_conv)."""
     model = create_model(model_cfg.name, num_classes=num_classes, img_size=img_size,
                          pretrained=model_cfg.pretrained, log=print if verbose else None, channels=channels,
-                         zero_init_residual=model_cfg.zero_init_residual)
+                         zero_init_residual=model_cfg.zero_init_residual, drop_path=model_cfg.drop_path)
     if model_cfg.weights:
         report = load_weights(model, model_cfg.weights)
         if verbose:

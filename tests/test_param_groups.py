@@ -173,3 +173,18 @@ def test_a_schedule_placed_for_another_layout_keeps_each_groups_scale_and_the_un
     body, top = opt.param_groups[0]["lr_scale"], opt.param_groups[1]["lr_scale"]
     assert (body, top) == (0.25, 4.0) and straight[0][1] > 0  # the head trains from the first step
     assert [lrs[0] for lrs in straight[:5]] == [0.0] * 5 and straight[5][0] > 0  # the body from epoch 2 on
+
+
+def test_drop_path_reaches_timm_and_torchvision_blocks_and_a_model_without_it_is_one_error_line(data, tmp_path):
+    """model.drop_path: timm's drop_path_rate (a ViT's blocks) and torchvision's stochastic_depth_prob (ConvNeXt);
+    torchvision's ResNet has neither: train.py stops in one line before training."""
+    vit = create_model("timm/vit_tiny_patch16_224", 5, img_size=32, drop_path=0.1)
+    assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.1)
+    with torch.device("meta"):
+        convnext = create_model("convnext_tiny", 5, drop_path=0.2)
+    assert convnext.features[7][2].stochastic_depth.p == pytest.approx(0.2)
+    proc = run_entry("train.py", *FAST_ARGS, "--data-path", data, "--output-dir", tmp_path / "run",
+                     "model.drop_path=0.1")
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and lines == ["error: model.drop_path=0.1: model.name=resnet18 has no drop path "
+                                              "(stochastic depth) to set; set model.drop_path=0"], proc.stderr[-2000:]

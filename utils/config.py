@@ -72,6 +72,7 @@ class ModelConfig:
     activation_checkpointing: bool = MISSING
     blocks: List[str] = MISSING
     cam_layer: Optional[str] = MISSING
+    drop_path: float = MISSING
 
 
 @dataclass
@@ -322,6 +323,8 @@ def _check_ranges(cfg):
                         f"(batch size x processes)); drop train.accum_steps={cfg.train.accum_steps}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
+    if not 0.0 <= cfg.model.drop_path < 1.0:
+        bad("model.drop_path", f"{cfg.model.drop_path}; in [0, 1), e.g. 0.1 (0 = off)")
     if not cfg.optim.head_lr_scale > 0:
         bad("optim.head_lr_scale", f"{cfg.optim.head_lr_scale}; the head's lr over the body's, more than 0 (1 = the same)")
     if not 0.0 < cfg.optim.layer_decay <= 1.0:
