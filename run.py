@@ -254,7 +254,8 @@ def _train_epoch(run, epoch):
     run.train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
     lr, lowest = group_lrs(run.step.optimizer)  # the head's and the lowest group's, at the epoch's start
     if run_state.resume_at:  # mid-epoch: the lrs of the epoch's first step, from each group's schedule
-        sched, start = run.step.scheduler, run_state.global_step - run_state.resume_at["epoch_step"] // run.step.accum_steps
+        sched = run.step.scheduler
+        start = run_state.global_step - run_state.resume_at["epoch_step"] // run.step.accum_steps
         lrs = [base * shape(start) for base, shape in zip(sched.base_lrs, sched.lr_lambdas)]
         lr, lowest = run_state.resume_at["lr"], min(lrs)
     per_group = per_group_lrs(run.step.optimizer)

@@ -314,7 +314,8 @@ def test_finetune_quick_runs_the_pretraining_the_rows_asked_and_distils_from_the
     assert [run["arm"] for run in res["runs"]] == ["full fine-tune", "student + teacher"]
     assert sorted(p.name for p in (tmp_path / "data" / "digits5-9" / "train").iterdir()) == ["5", "6", "7", "8", "9"]
     record = json.loads((tmp_path / "student_and_teacher-seed0" / "run_record.json").read_text())
-    assert record["teacher"]["path"] == str((tmp_path / "full_fine-tune-seed0" / "checkpoints" / "best.pt").resolve())
+    teacher = tmp_path / "full_fine-tune-seed0" / "checkpoints" / "best.pt"
+    assert record["teacher"]["path"] == str(teacher.resolve())
     assert "loaded " in (tmp_path / "full_fine-tune-seed0.log").read_text()
     number = r"(\d\.\d{3}) \[\d\.\d{3}, \d\.\d{3}\]"
     rows = re.findall(rf"^\| (full fine-tune|student \+ teacher) \| {number} \| ([+-]\d\.\d{{3}}) \|$", r.stdout, re.M)

@@ -326,7 +326,8 @@ def _check_ranges(cfg):
     if not 0.0 <= cfg.model.drop_path < 1.0:
         bad("model.drop_path", f"{cfg.model.drop_path}; in [0, 1), e.g. 0.1 (0 = off)")
     if not cfg.optim.head_lr_scale > 0:
-        bad("optim.head_lr_scale", f"{cfg.optim.head_lr_scale}; the head's lr over the body's, more than 0 (1 = the same)")
+        bad("optim.head_lr_scale", f"{cfg.optim.head_lr_scale}; the head's lr over the body's, more than 0 "
+                                   "(1 = the same)")
     if not 0.0 < cfg.optim.layer_decay <= 1.0:
         bad("optim.layer_decay", f"{cfg.optim.layer_decay}; in (0, 1], e.g. 0.75 (1 = off)")
     if not 0 <= cfg.train.unfreeze_at < cfg.train.epochs:
