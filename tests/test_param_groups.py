@@ -188,3 +188,27 @@ def test_drop_path_reaches_timm_and_torchvision_blocks_and_a_model_without_it_is
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and lines == ["error: model.drop_path=0.1: model.name=resnet18 has no drop path "
                                               "(stochastic depth) to set; set model.drop_path=0"], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_body_at_lr_0_stays_bit_for_bit_under_weight_decay_and_momentum(name):
+    """train.unfreeze_at's frozen epochs: SGD (momentum, decay on every tensor) and AdamW (decoupled decay,
+    moments) step the body at lr 0: not a bit of it moves, while the head trains; after epoch K it moves."""
+    from utils.config import load_config
+    from utils.optim import build_optimizer, build_scheduler
+    cfg = load_config([f"optim.name={name}", "optim.weight_decay=0.1", "optim.lr=0.1"]).optim
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    scales = {n: 1.0 for n, _ in net.named_parameters()}
+    opt = build_optimizer(net, cfg, lr_scales=scales, head={"1.weight", "1.bias"})
+    sched = build_scheduler(opt, cfg, 2, 3, unfreeze=(1, 0.0))
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    for i in range(6):
+        if i == 3:
+            assert all(torch.equal(net.state_dict()[k], start[k]) for k in ("0.weight", "0.bias"))
+            assert not torch.equal(net.state_dict()["1.weight"], start["1.weight"])
+        net(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert not torch.equal(net.state_dict()["0.weight"], start["0.weight"])
