@@ -28,7 +28,7 @@ from torch.profiler import record_function
 
 from torch.utils.hooks import RemovableHandle
 
-from model import find_head, use_channels_last
+from model import find_head, load_teacher, use_channels_last
 from utils import checkpoint as ckpt
 from utils.data_wait import TimedBatches
 from utils.distributed_utils import broadcast_buffers, gather_objects, no_sync, reduce_min, reduce_sums
@@ -86,6 +86,21 @@ class Criterion:
             return per_label.mean() if reduction == "mean" else per_label.mean(dim=1)
         return F.cross_entropy(logits, targets, weight=self.class_weight, label_smoothing=self.label_smoothing,
                                reduction=reduction)
+
+
+def distillation_loss(logits, teacher_logits, temperature, multilabel=False):
+    """train.teacher's term: T^2 x KL(teacher || student) of the outputs softened by T, the batch's mean (fp32).
+    Single-label: over the softmax of each image. Multi-label: each label's sigmoid is a two-class
+    distribution, KL = BCE(student, teacher's p) - BCE(teacher, p), averaged over the labels and images.
+    T^2 keeps the gradients' size independent of T (Hinton et al., 2015)."""
+    student, teacher = logits.float() / temperature, teacher_logits.float() / temperature
+    if multilabel:
+        p = teacher.sigmoid()
+        kl = F.binary_cross_entropy_with_logits(student, p, reduction="none") - \
+            F.binary_cross_entropy_with_logits(teacher, p, reduction="none")
+        return kl.mean() * temperature ** 2
+    return F.kl_div(F.log_softmax(student, dim=1), F.log_softmax(teacher, dim=1), reduction="batchmean",
+                    log_target=True) * temperature ** 2
 
 
 def build_criterion(optim_cfg, class_weight=None, multilabel=False, pos_weight=None):
@@ -197,6 +212,12 @@ class Step:
     # The bare network under the wrappers (DP/DDP, torch.compile): what the optimizer, the EMA, the
     # checkpoints, the cost line and Grad-CAM see. Found from `model` when not given.
     net: Optional[torch.nn.Module] = None
+    # train.teacher: an eval-mode model without gradients (never wrapped or sharded), its outputs softened
+    # by kd_temperature; the loss is (1 - kd_alpha) x the task's + kd_alpha x distillation_loss.
+    teacher: Optional[torch.nn.Module] = None
+    kd_alpha: float = 0.5
+    kd_temperature: float = 1.0
+    teacher_info: dict = field(default_factory=dict)  # its source, file and sha256 (the run record's)
     # train.unfreeze_at: the epochs before it keep these BatchNorm layers (the body's) in eval mode.
     unfreeze_at: int = 0
     body_norms: list = field(default_factory=list)
@@ -227,9 +248,15 @@ def _forward_backward(step, images, targets, stepping):
         with record_function("forward"), torch.autocast(step.device.type, dtype=step.amp_dtype,
                                                         enabled=step.amp_dtype is not None):
             try:
-                loss = step.criterion(step.model(images), targets)
+                logits = step.model(images)
             except RuntimeError as e:
                 raise unused_parameters(e, step.net) or e
+            loss = step.criterion(logits, targets)
+            if step.teacher is not None:  # the same (mixed) batch, under the same autocast
+                with torch.no_grad():
+                    teacher_logits = step.teacher(images)
+                loss = (1 - step.kd_alpha) * loss + step.kd_alpha * distillation_loss(
+                    logits, teacher_logits, step.kd_temperature, step.criterion.multilabel)
         # The summed micro-batch gradients then equal one batch of accum_steps x batch_size.
         with record_function("backward"):  # DDP's all-reduce inside: gloo:all_reduce / nccl:all_reduce
             step.scaler.scale(loss / step.accum_steps if step.accum_steps > 1 else loss).backward()
@@ -237,8 +264,9 @@ def _forward_backward(step, images, targets, stepping):
 
 
 @record_function("optimizer step")
-def _optimizer_step(step, window, params_to_clip):
-    """Clip the gradients of `params_to_clip` (adding the pre-clip norm to the window), step, update the scale, schedule and EMA."""
+def _optimizer_step(step, window, params_to_clip, global_step=None):
+    """Clip the gradients of `params_to_clip` (adding the pre-clip norm to the window), step, update the scale,
+    schedule and EMA. global_step: the run's optimizer steps with this one (the EMA warm-up's count)."""
     if step.clip_grad_norm:
         step.scaler.unscale_(step.optimizer)  # clip the true gradients, not the loss-scaled ones
         norm = torch.nn.utils.clip_grad_norm_(params_to_clip, step.clip_grad_norm)  # no host sync
@@ -249,7 +277,7 @@ def _optimizer_step(step, window, params_to_clip):
     step.scheduler.step()
     step.optimizer.zero_grad(set_to_none=True)
     if step.ema is not None:
-        step.ema.update()
+        step.ema.update(global_step)
 
 
 class _Window:
@@ -338,7 +366,7 @@ def train_one_epoch(step, loader, epoch, global_step=0, hooks=None, resume=None)
         window.add_batch(loss, labels.shape[0], global_step)
         if not stepping:
             continue
-        _optimizer_step(step, window, params_to_clip)
+        _optimizer_step(step, window, params_to_clip, global_step + 1)
         window.steps += 1
         global_step += 1
         last = i == used - 1
@@ -640,9 +668,14 @@ def build_step(cfg, model, train_loader, classes, dist_info):
                 criterion=criterion, amp_dtype=amp_dtype, channels_last=channels_last, accum_steps=accum,
                 clip_grad_norm=cfg.optim.clip_grad_norm,
                 mix=batch_mixer(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, len(classes), multilabel),
-                ema=WeightEMA(network, cfg.train.ema_decay) if cfg.train.ema_decay else None, net=network,
+                ema=WeightEMA(network, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay else None,
+                net=network,
                 unfreeze_at=cfg.train.unfreeze_at,
                 body_norms=param_groups.body_norms(network, head) if cfg.train.unfreeze_at else [])
+    if cfg.train.teacher:
+        step.teacher, step.teacher_info = load_teacher(cfg.train.teacher, classes, multilabel, cfg.data.img_size,
+                                                       cfg.data.channels, device, cfg.model.channels_last)
+        step.kd_alpha, step.kd_temperature = cfg.train.kd_alpha, cfg.train.kd_temperature
     layout = ckpt.data_layout(cfg.train.seed, world, cfg.train.batch_size, steps, len(train_loader.dataset),
                               accum_steps=accum, sampler=cfg.data.sampler)
     return step, layout

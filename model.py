@@ -165,6 +165,18 @@ def check_model_config(cfg):
 
 
 @register_check
+def check_teacher(cfg):
+    """train.teacher names a run directory or checkpoint that is there, or a timm model whose weights are in the
+    local cache: checked at config time (eval-only and prediction do not read it)."""
+    source = cfg.train.teacher
+    if source and not cfg.eval_only:
+        if is_timm(source):
+            check_model(source, "DEFAULT", cfg.data.img_size)
+        else:
+            checkpoint_path(source)
+
+
+@register_check
 def check_cam_layer(cfg):
     """model.cam_layer names a module of the model: checked on its structure alone (the meta device)."""
     if cfg.model.cam_layer:
@@ -294,14 +306,22 @@ def _takes(constructor, keyword):
 
 
 def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None, log=None, channels=3,
-                 zero_init_residual=False):
+                 zero_init_residual=False, drop_path=0.0):
     """A model with `num_classes` outputs: your own from MODELS, or torchvision's `name`, randomly
     initialised or with the pretrained weights `pretrained` from the local hub cache (head replaced).
     `img_size` sets the input size of models that fix it (ViT, MaxViT). channels=1 (data.channels):
     the model reads grey images (adapt_first_conv). zero_init_residual (model.zero_init_residual): the
-    builders that take it start each residual block's last BatchNorm at 0 (torchvision's own default: off)."""
+    builders that take it start each residual block's last BatchNorm at 0 (torchvision's own default: off).
+    drop_path (model.drop_path): timm's drop_path_rate, torchvision's stochastic_depth_prob (ConvNeXt, Swin,
+    EfficientNet, MaxViT...); a model that takes neither stops in one line."""
     check_model(name, pretrained, img_size)  # also here for callers that skip the config (tests, tools)
-    model = _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual)
+    try:
+        model = _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual, drop_path)
+    except TypeError as e:
+        if drop_path and any(k in str(e) for k in ("drop_path_rate", "stochastic_depth_prob")):
+            raise UserError(f"model.drop_path={drop_path}: model.name={name} has no drop path (stochastic depth) to "
+                            "set; set model.drop_path=0", every_rank=True) from None
+        raise
     if channels != 3:  # timm builds for in_chans itself (and sums pretrained RGB kernels as we do)
         conv = model.pretrained_cfg.get("first_conv") if is_timm(name) else adapt_first_conv(model, name, channels)
         if log:
@@ -310,16 +330,18 @@ def create_model(name="resnet34", num_classes=5, img_size=None, pretrained=None,
     return model
 
 
-def _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual=False):
+def _create(name, num_classes, img_size, pretrained, log, channels, zero_init_residual=False, drop_path=0.0):
+    if name in MODELS and drop_path:
+        raise TypeError("unexpected keyword argument 'drop_path_rate'")  # your own model: set it in MODELS
     if name in MODELS:
         constructor = MODELS[name]
         if _takes(constructor, "in_chans"):
             return constructor(num_classes=num_classes, in_chans=channels)
         return constructor(num_classes=num_classes)
     if is_timm(name):
-        return _create_timm(name, num_classes, img_size, pretrained, log, channels)
+        return _create_timm(name, num_classes, img_size, pretrained, log, channels, drop_path)
     builder = torchvision.models.get_model_builder(name)
-    kwargs = {}
+    kwargs = {"stochastic_depth_prob": drop_path} if drop_path else {}
     if img_size and _size_kwarg(name):
         kwargs[_size_kwarg(name)] = img_size if _size_kwarg(name) == "image_size" else (img_size, img_size)
     optional = {**_OPTIONAL_KWARGS, "zero_init_residual": bool(zero_init_residual)}
@@ -340,12 +362,13 @@ def _create(name, num_classes, img_size, pretrained, log, channels, zero_init_re
     return model
 
 
-def _create_timm(name, num_classes, img_size, pretrained, log, channels):
+def _create_timm(name, num_classes, img_size, pretrained, log, channels, drop_path=0.0):
     """timm.create_model for data.channels (in_chans) and data.img_size (img_size, for the models that take
     it: ViT, Swin...). Pretrained: the cached file (timm_weights) through timm's own loader, which leaves
     out a classifier of another class count and sums RGB kernels for one channel."""
     arch = name[len(TIMM_PREFIX):]
-    kwargs = {"pretrained": False, "num_classes": num_classes, "in_chans": channels}
+    kwargs = {"pretrained": False, "num_classes": num_classes, "in_chans": channels,
+              **({"drop_path_rate": drop_path} if drop_path else {})}
     if pretrained:
         arch, path = timm_weights(name, pretrained)
         kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(path)})  # timm reads this file only
@@ -525,7 +548,7 @@ def build_model(model_cfg, num_classes, device, verbose=True, img_size=None, cha
     `channels` (data.channels): 3, or 1 for grey images (adapt_first_conv)."""
     model = create_model(model_cfg.name, num_classes=num_classes, img_size=img_size,
                          pretrained=model_cfg.pretrained, log=print if verbose else None, channels=channels,
-                         zero_init_residual=model_cfg.zero_init_residual)
+                         zero_init_residual=model_cfg.zero_init_residual, drop_path=model_cfg.drop_path)
     if model_cfg.weights:
         report = load_weights(model, model_cfg.weights)
         if verbose:
@@ -595,3 +618,49 @@ def load_trained(source):
         raise UserError(f"checkpoint '{path}' does not fit a {name}: {str(e).splitlines()[0]}")
     model.multilabel, model.thresholds = label_task(state)  # how predict.py and export.py read its outputs
     return model.eval(), classes, config, path
+
+
+def load_teacher(source, classes, multilabel, img_size, channels, device, channels_last=False):
+    """train.teacher -> (eval-mode teacher on `device` without gradients, {"source", "path", "sha256"}).
+
+    RUN_DIR or CHECKPOINT: a run of this template (load_trained: its architecture, its best weights), whose
+    class list and task must be this data's. timm/<name>[.<tag>]: timm's weights from the local Hugging
+    Face cache only (timm_weights), whose classifier must already have one output per class here. Its
+    forward must take data.img_size; each mismatch is one error line before any training."""
+    import hashlib
+
+    if is_timm(source):
+        arch, path = timm_weights(source, "DEFAULT")
+        teacher = create_model(source, num_classes=len(classes), img_size=img_size, pretrained="DEFAULT",
+                               channels=channels)
+        theirs = teacher.pretrained_cfg.get("num_classes")
+        if theirs != len(classes):
+            raise UserError(f"train.teacher={source}: its weights ({TIMM_PREFIX}{arch}) have {theirs} classes, the "
+                            f"data {len(classes)}; fine-tune it on this data first (train.py --config "
+                            "configs/finetune.yaml ...) and pass that run directory", every_rank=True)
+        task = False
+    else:
+        teacher, theirs, _, path = load_trained(source)
+        if theirs != list(classes):
+            raise UserError(f"train.teacher={source}: its classes {theirs[:5]}{'...' if len(theirs) > 5 else ''} "
+                            f"are not this data's {list(classes)[:5]}{'...' if len(classes) > 5 else ''}; a "
+                            "teacher must be trained on the same class list", every_rank=True)
+        task = bool(teacher.multilabel)
+    if task != bool(multilabel):
+        kind = {True: "multi-label", False: "single-label"}
+        raise UserError(f"train.teacher={source} is {kind[task]}, the data is {kind[bool(multilabel)]}",
+                        every_rank=True)
+    teacher = teacher.eval().requires_grad_(False).to(device)
+    if use_channels_last(channels_last, device):
+        teacher.to(memory_format=torch.channels_last)
+    try:
+        with torch.no_grad():
+            teacher(torch.zeros(1, channels, img_size, img_size, device=device))
+    except (RuntimeError, ValueError, AssertionError, IndexError) as e:
+        raise UserError(f"train.teacher={source} does not run at data.img_size={img_size}: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", every_rank=True)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return teacher, {"source": str(source), "path": str(Path(path).resolve()), "sha256": digest.hexdigest()}

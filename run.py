@@ -102,6 +102,8 @@ def _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name):
         ckpt.remove_stale_temps(run_files.checkpoints(run_dir))
     record = run_record.collect(cfg.data, {"train": train_loader.dataset, "val": val_loader.dataset}, classes,
                                 dist_info)  # every rank: each names its host and GPU
+    if step.teacher_info and record:  # train.teacher: its file and digest, not its weights, go with the run
+        record["teacher"] = step.teacher_info
     run_state, notes = (ckpt.RunState(multilabel=multilabel), []) if resume_path is None else \
         _restore(cfg, state, step, layout, classes, dist_info)
     notes += [note for note in [run_record.data_note((state or {}).get("record", {}).get("data"),
@@ -120,6 +122,8 @@ def _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name):
     run = _Run(cfg, step, train_loader, val_loader, classes, dist_info, run_dir, logger, saver, None, run_state,
                record=record)
     _log_start(run, resume_path, notes)
+    if step.teacher is not None:
+        _log_teacher(run)
     run.stop = StopRequest().install()
     metrics, early_stop = {}, False
     try:
@@ -224,6 +228,15 @@ def _log_start(run, resume_path, notes):
         logger.info("pos_weight: " + ", ".join(f"{c} {w:.3g}" for c, w in zip(run.classes, pos_weight.tolist())))
 
 
+def _log_teacher(run):
+    """train.teacher's own validation score, once at the start (every rank evaluates its shard)."""
+    step, key = run.step, score_key(run.run_state.multilabel)
+    val = evaluate(step.teacher, run.val_loader, step.device, len(run.classes), step, logger=run.logger)
+    info = step.teacher_info
+    run.logger.info(f"teacher {info['source']} (sha256 {info['sha256'][:12]}): {key} {val[key]:.4f}; "
+                    f"distilled with kd_alpha {step.kd_alpha:g}, kd_temperature {step.kd_temperature:g}")
+
+
 def _head_group(optimizer):
     """The head's group (optim.head_lr_scale's), else the first: whose peak lr the start line names."""
     return next((g for g in optimizer.param_groups if g.get("head")), optimizer.param_groups[0])
@@ -254,7 +267,8 @@ def _train_epoch(run, epoch):
     run.train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
     lr, lowest = group_lrs(run.step.optimizer)  # the head's and the lowest group's, at the epoch's start
     if run_state.resume_at:  # mid-epoch: the lrs of the epoch's first step, from each group's schedule
-        sched, start = run.step.scheduler, run_state.global_step - run_state.resume_at["epoch_step"] // run.step.accum_steps
+        sched = run.step.scheduler
+        start = run_state.global_step - run_state.resume_at["epoch_step"] // run.step.accum_steps
         lrs = [base * shape(start) for base, shape in zip(sched.base_lrs, sched.lr_lambdas)]
         lr, lowest = run_state.resume_at["lr"], min(lrs)
     per_group = per_group_lrs(run.step.optimizer)

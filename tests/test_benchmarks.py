@@ -300,3 +300,23 @@ def test_whole_run_quick_prints_the_ratio_and_the_breakdown(tmp_path):
     assert f"| 0 | template | {template['wall_s']:.2f} | {bare['wall_s']:.2f} | {pair['wall_ratio']:.3f} |" in r.stdout
     md = (tmp_path / "whole_run.md").read_text()
     assert r.stdout.rstrip().endswith(md.strip().splitlines()[-1])  # the table is printed last
+
+
+@pytest.mark.slow
+def test_finetune_quick_runs_the_pretraining_the_rows_asked_and_distils_from_the_full_fine_tune(tmp_path):
+    """benchmarks/finetune.py --quick: resnet18 pretrained on digits 0-4, then the rows asked on digits 5-9; the
+    student's teacher is the full fine-tune of its seed, and each row of the table holds its mean and range."""
+    r = subprocess.run([sys.executable, "benchmarks/finetune.py", "--quick", "--arms",
+                        "full fine-tune,student + teacher", "--data", tmp_path / "data", "--out-dir", tmp_path],
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **ENV})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "finetune.json").read_text())
+    assert [run["arm"] for run in res["runs"]] == ["full fine-tune", "student + teacher"]
+    assert sorted(p.name for p in (tmp_path / "data" / "digits5-9" / "train").iterdir()) == ["5", "6", "7", "8", "9"]
+    record = json.loads((tmp_path / "student_and_teacher-seed0" / "run_record.json").read_text())
+    teacher = tmp_path / "full_fine-tune-seed0" / "checkpoints" / "best.pt"
+    assert record["teacher"]["path"] == str(teacher.resolve())
+    assert "loaded " in (tmp_path / "full_fine-tune-seed0.log").read_text()
+    number = r"(\d\.\d{3}) \[\d\.\d{3}, \d\.\d{3}\]"
+    rows = re.findall(rf"^\| (full fine-tune|student \+ teacher) \| {number} \| ([+-]\d\.\d{{3}}) \|$", r.stdout, re.M)
+    assert [row[0] for row in rows] == ["full fine-tune", "student + teacher"] and rows[0][2] == "+0.000", r.stdout

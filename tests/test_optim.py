@@ -578,3 +578,36 @@ def test_a_schedule_resumed_at_another_world_size_continues_as_an_uninterrupted_
     straight, final = lrs_per_step(cfg, epochs, steps, world_size=world)
     assert lrs == pytest.approx(straight[steps:], rel=1e-9) and opt.param_groups[0]["lr"] == pytest.approx(final)
     assert lrs[0] != pytest.approx(old.param_groups[0]["lr"])  # the restored lr alone would be wrong
+
+
+@pytest.mark.slow
+def test_ema_warmup_equals_timms_model_ema_v3_on_the_same_updates(tmp_path, monkeypatch):
+    """train.py with train.ema_decay=0.99 train.ema_warmup=true, 2 epochs of 3 steps of 2 batches each:
+    timm's ModelEmaV3(use_warmup=True), updated after each of the same optimizer steps with timm's step count,
+    holds bit for bit the checkpoint's EMA (weights and BatchNorm statistics)."""
+    timm_ema = pytest.importorskip("timm.utils.model_ema")
+    import engine
+    import train
+    from bad_files import call_main
+    from conftest import FAST_ARGS, make_image_folder
+    real, reference, steps = engine._optimizer_step, [], []
+
+    def step_then_timm(step, window, params, global_step=None):
+        real(step, window, params, global_step)
+        if not reference:
+            reference.append(timm_ema.ModelEmaV3(step.net, decay=0.99, use_warmup=True))
+        steps.append(global_step)
+        reference[0].update(step.net, step=len(steps))  # timm's train.py: num_updates, counted after the step
+
+    monkeypatch.setattr(engine, "_optimizer_step", step_then_timm)
+    data = make_image_folder(tmp_path / "flowers")  # 25 train images: 6 batches of 4
+    code, _, stderr = call_main(train.main, [*FAST_ARGS, "--data-path", data, "--output-dir", tmp_path / "run",
+                                             "train.epochs=2", "train.accum_steps=2", "train.ema_decay=0.99",
+                                             "train.ema_warmup=true", "model.name=mobilenet_v3_small"])
+    assert code == 0, stderr[-3000:]
+    assert steps == list(range(1, 7))
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["ema"]
+    theirs = reference[0].module.state_dict()
+    assert saved.keys() == theirs.keys()
+    assert [k for k in saved if not torch.equal(saved[k], theirs[k])] == []
+    assert WeightEMA(torch.nn.Linear(1, 1), 0.99, warmup=True).decay_at(6) == reference[0].get_decay(6) < 0.99

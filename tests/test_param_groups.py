@@ -92,7 +92,7 @@ def test_layer_decay_on_a_model_without_blocks_is_one_error_line(data, tmp_path)
 # A torchvision ResNet by utils/fsdp.py's blocks (stem 0, layer1..layer4 1..4, fc 5), the head at 10x, the body
 # held at lr 0 for epoch 1 and ramped up over epoch 2, with the EMA and 2 batches per step.
 RAMP = ["optim.layer_decay=0.5", "optim.head_lr_scale=10", "train.unfreeze_at=1", "train.unfreeze_warmup=1",
-        "train.ema_decay=0.9", "train.accum_steps=2"]
+        "train.ema_decay=0.9", "train.ema_warmup=true", "train.accum_steps=2"]
 
 
 @pytest.mark.slow
@@ -173,3 +173,42 @@ def test_a_schedule_placed_for_another_layout_keeps_each_groups_scale_and_the_un
     body, top = opt.param_groups[0]["lr_scale"], opt.param_groups[1]["lr_scale"]
     assert (body, top) == (0.25, 4.0) and straight[0][1] > 0  # the head trains from the first step
     assert [lrs[0] for lrs in straight[:5]] == [0.0] * 5 and straight[5][0] > 0  # the body from epoch 2 on
+
+
+def test_drop_path_reaches_timm_and_torchvision_blocks_and_a_model_without_it_is_one_error_line(data, tmp_path):
+    """model.drop_path: timm's drop_path_rate (a ViT's blocks) and torchvision's stochastic_depth_prob (ConvNeXt);
+    torchvision's ResNet has neither: train.py stops in one line before training."""
+    vit = create_model("timm/vit_tiny_patch16_224", 5, img_size=32, drop_path=0.1)
+    assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.1)
+    with torch.device("meta"):
+        convnext = create_model("convnext_tiny", 5, drop_path=0.2)
+    assert convnext.features[7][2].stochastic_depth.p == pytest.approx(0.2)
+    proc = run_entry("train.py", *FAST_ARGS, "--data-path", data, "--output-dir", tmp_path / "run",
+                     "model.drop_path=0.1")
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and lines == ["error: model.drop_path=0.1: model.name=resnet18 has no drop path "
+                                              "(stochastic depth) to set; set model.drop_path=0"], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_body_at_lr_0_stays_bit_for_bit_under_weight_decay_and_momentum(name):
+    """train.unfreeze_at's frozen epochs: SGD (momentum, decay on every tensor) and AdamW (decoupled decay,
+    moments) step the body at lr 0: not a bit of it moves, while the head trains; after epoch K it moves."""
+    from utils.config import load_config
+    from utils.optim import build_optimizer, build_scheduler
+    cfg = load_config([f"optim.name={name}", "optim.weight_decay=0.1", "optim.lr=0.1"]).optim
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    scales = {n: 1.0 for n, _ in net.named_parameters()}
+    opt = build_optimizer(net, cfg, lr_scales=scales, head={"1.weight", "1.bias"})
+    sched = build_scheduler(opt, cfg, 2, 3, unfreeze=(1, 0.0))
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    for i in range(6):
+        if i == 3:
+            assert all(torch.equal(net.state_dict()[k], start[k]) for k in ("0.weight", "0.bias"))
+            assert not torch.equal(net.state_dict()["1.weight"], start["1.weight"])
+        net(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert not torch.equal(net.state_dict()["0.weight"], start["0.weight"])

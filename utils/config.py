@@ -76,6 +76,7 @@ class ModelConfig:
     activation_checkpointing: bool = MISSING
     blocks: List[str] = MISSING
     cam_layer: Optional[str] = MISSING
+    drop_path: float = MISSING
 
 
 @dataclass
@@ -118,6 +119,10 @@ class TrainConfig:
     early_stop_patience: int = MISSING
     unfreeze_at: int = MISSING
     unfreeze_warmup: float = MISSING
+    ema_warmup: bool = MISSING
+    teacher: Optional[str] = MISSING
+    kd_alpha: float = MISSING
+    kd_temperature: float = MISSING
 
 
 @dataclass
@@ -323,14 +328,23 @@ def _check_ranges(cfg):
                         f"(batch size x processes)); drop train.accum_steps={cfg.train.accum_steps}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         bad("train.ema_decay", f"{cfg.train.ema_decay}; 0 (off) or in (0, 1), e.g. 0.999")
+    if not 0.0 <= cfg.model.drop_path < 1.0:
+        bad("model.drop_path", f"{cfg.model.drop_path}; in [0, 1), e.g. 0.1 (0 = off)")
     if not cfg.optim.head_lr_scale > 0:
-        bad("optim.head_lr_scale", f"{cfg.optim.head_lr_scale}; the head's lr over the body's, more than 0 (1 = the same)")
+        bad("optim.head_lr_scale", f"{cfg.optim.head_lr_scale}; the head's lr over the body's, more than 0 "
+                                   "(1 = the same)")
     if not 0.0 < cfg.optim.layer_decay <= 1.0:
         bad("optim.layer_decay", f"{cfg.optim.layer_decay}; in (0, 1], e.g. 0.75 (1 = off)")
     if not 0 <= cfg.train.unfreeze_at < cfg.train.epochs:
         bad("train.unfreeze_at", f"{cfg.train.unfreeze_at}; 0 (off) or an epoch before train.epochs={cfg.train.epochs}")
     if cfg.train.unfreeze_warmup < 0:
         bad("train.unfreeze_warmup", f"{cfg.train.unfreeze_warmup}; 0 (at once) or a number of epochs")
+    if cfg.train.ema_warmup and not cfg.train.ema_decay:
+        bad("train.ema_warmup", "warms up train.ema_decay's average; set train.ema_decay too (e.g. 0.999)")
+    if not 0.0 < cfg.train.kd_alpha <= 1.0:
+        bad("train.kd_alpha", f"{cfg.train.kd_alpha}; the distillation term's weight, in (0, 1]")
+    if not cfg.train.kd_temperature > 0:
+        bad("train.kd_temperature", f"{cfg.train.kd_temperature}; more than 0 (1 = the outputs as they are)")
     if cfg.train.unfreeze_at and cfg.model.freeze_layers:
         raise UserError("train.unfreeze_at holds the body at lr 0 for some epochs, model.freeze_layers for all of "
                         "them; set one of the two")

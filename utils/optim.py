@@ -268,10 +268,16 @@ class WeightEMA:
     ema = decay * ema + (1 - decay) * weights after every optimizer step, starting from the
     weights it is built with. The update is one foreach lerp over the tensors on the device:
     no host sync (swa_utils.AveragedModel checks its step count on the host every update).
-    `module` is an eval-mode copy of the model to evaluate and save."""
+    `module` is an eval-mode copy of the model to evaluate and save.
 
-    def __init__(self, model, decay):
-        self.decay = decay
+    warmup (train.ema_warmup): the decay of update n (the run's optimizer step count, 1-based) is timm's
+    ModelEmaV3's with use_warmup: 0 at n = 1 (the average starts at the first step's weights), then
+    1 - n^(-warmup_power) (warmup_gamma 1), capped at `decay`; a short fine-tune's average then
+    forgets the starting weights at once instead of after ~1/(1 - decay) steps. The count is the run's
+    global step, so a resumed run continues the ramp where it was."""
+
+    def __init__(self, model, decay, warmup=False, warmup_gamma=1.0, warmup_power=2 / 3):
+        self.decay, self.warmup, self.warmup_gamma, self.warmup_power = decay, warmup, warmup_gamma, warmup_power
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
         self._lerp = get_ema_multi_avg_fn(decay)
         pairs = list(zip(self.module.state_dict().values(), model.state_dict().values()))
@@ -281,9 +287,23 @@ class WeightEMA:
         self._floats = ([e for e, _ in floats], [m for _, m in floats])
         self._others = ([e for e, _ in others], [m for _, m in others])
 
+    def decay_at(self, step):
+        """The decay of update number `step` (1-based): `decay`, or with warmup ModelEmaV3.get_decay's."""
+        if not self.warmup:
+            return self.decay
+        step = max(0, step - 1)
+        if step <= 0:
+            return 0.0
+        return min(1 - (1 + step / self.warmup_gamma) ** -self.warmup_power, self.decay)
+
     @torch.no_grad()
-    def update(self):
-        self._lerp(*self._floats, None)
+    def update(self, step=None):
+        """Average in the model's current weights; `step`: this update's number (train.ema_warmup's)."""
+        if self.warmup and self._floats[0]:
+            # A host float (no sync): the decay ramps with the step count.
+            torch._foreach_lerp_(*self._floats, 1 - self.decay_at(step))
+        else:
+            self._lerp(*self._floats, None)
         if self._others[0]:
             torch._foreach_copy_(*self._others)  # one fused copy, not a kernel launch per BatchNorm
 
