@@ -6,8 +6,9 @@
 
 The batch dimension is dynamic. The sidecar (<out>.json) holds what a deployment
 needs around the network: class names, input size (channels first: 1 for a grey
-run, data.channels=1), resize, mean and std, and how to read the outputs ("activation": softmax, or
-sigmoid with each label's threshold for a multi-label model). Before
+run, data.channels=1), resize, crop, mean and std, EXIF orientation, and how to read the outputs
+("activation": softmax of logits / "temperature", the run's calibration, with "reject_threshold" for
+predict_onnx.py --reject auto; or sigmoid with each label's threshold for a multi-label model). Before
 the file is put in place its outputs are compared with PyTorch's on a batch of
 another size than the one exported with; the max abs diff is printed, and over
 1e-4 nothing is written.
@@ -193,8 +194,10 @@ def main(argv=None):
             "activation": "sigmoid", "multilabel": True,
             "thresholds": model.thresholds}
            if multilabel else
-           {"output": "logits (softmax of logits / temperature gives probabilities)", "activation": "softmax",
-            "multilabel": False, "temperature": 1.0}),
+           {"output": "logits (softmax of logits / temperature gives calibrated probabilities)", "activation": "softmax",
+            "multilabel": False, "temperature": model.temperature,
+            # the calibrated top probability under which predict_onnx.py --reject auto answers "unknown"
+            "reject_threshold": model.reject_threshold}),
         "input_size": [channels, size, size], "resize": resize,
         "mean": list(mean), "std": list(std),
         # What predict_onnx.py's preprocessing follows (predict.py's, step for step).
