@@ -497,6 +497,19 @@ class ShardImageList(ImageList):
 
 # --------------------------------------------------------------------------- loaders
 
+def unlabelled_set(folder, like):
+    """Every image under `folder` (recursively), read as the dataset `like` reads its own (transform,
+    channels, bad-image rule), each labelled 0: images of none of the classes (eval.ood)."""
+    _walk.cache_clear()
+    paths = _images_in(folder)
+    if not paths:
+        raise UserError(f"--ood '{folder}' holds no images (.jpg/.jpeg/.png/...)", every_rank=True)
+    dataset = ImageList([(p, 0) for p in paths], like.transform, like.bad_image, like.max_pixels,
+                        channels=like.channels, num_classes=like.num_classes)
+    dataset.train_transform = getattr(like, "train_transform", None)
+    return dataset
+
+
 def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per_node=None, channels_last=False):
     """channels_last (model.channels_last): the gpu pipeline writes its batches in that layout on CUDA,
     so the loop's conversion finds nothing to do; elsewhere, as for the model, it is off."""

@@ -33,7 +33,7 @@ from utils import checkpoint as ckpt
 from utils.data_wait import TimedBatches
 from utils.distributed_utils import broadcast_buffers, gather_objects, no_sync, reduce_min, reduce_sums
 from utils.errors import RUNTIME_EXIT, UserError, unused_parameters
-from utils import fsdp, param_groups, profiling
+from utils import calibration, fsdp, param_groups, profiling
 from utils.normalization import model_input, normalization_of
 from utils.metrics import best_f1_thresholds, classification_report, multilabel_report, top_k_hits
 from utils.mixing import batch_mixer
@@ -453,7 +453,7 @@ class EvalSettings:
 
 @torch.no_grad()
 def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, worst_k=0, threshold=0.5,
-             tune_thresholds=False):
+             tune_thresholds=False, temperature=None, keep_scores=False):
     """Loss, accuracy, sample_metrics (top-5), confusion matrix, per-class precision/recall/F1 over the
     whole validation set, and with `worst_k` the k misclassified images of highest loss ("val_worst").
 
@@ -461,6 +461,10 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     once, so every image counts exactly once and the result equals a single-process evaluation
     whatever the world size. Each rank keeps its own k worst on the device (no host sync per
     batch); the lists are gathered once and merged by (loss, dataset index), as one process would.
+
+    Single-label, calibration (utils/calibration.py): ECE before and after one temperature, fitted here by
+    NLL (or `temperature` as given), the rejection threshold at it, the reliability diagram's bins, and with
+    `keep_scores` every image's scores ("val_scores", for eval.ood).
 
     A multi-label dataset (`.multilabel`) gets multilabel_report's metrics instead, at `threshold`
     (one number, or one per label), or at the thresholds tuned on these scores (`tune_thresholds`).
@@ -477,6 +481,7 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     sums = {"loss": zero.clone(), **{name: zero.clone() for name in metrics},
             "confusion": torch.zeros(num_classes * num_classes, device=device, dtype=torch.float64)}
     worst = _WorstImages(loader, device, worst_k)
+    kept = ([], [])  # this shard's logits and labels, for the calibration
     padding = _padding_forwards(model, loader)
     start = time.perf_counter()
     norm = normalization_of(getattr(loader, "dataset", None), device)
@@ -496,6 +501,8 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
         cells = labels * num_classes + pred
         sums["confusion"].index_add_(0, cells, torch.ones_like(cells, dtype=sums["confusion"].dtype))
         worst.add(logits, pred, labels, losses)
+        kept[0].append(logits.detach().float())
+        kept[1].append(labels)
     for _ in range(padding):  # results unused: only the collectives inside the forward count
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             model(images[:1])
@@ -514,6 +521,9 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
            **classification_report(confusion)}
     if worst_k:
         out["val_worst"] = worst.merged(loader.dataset)  # every rank joins the gather
+    logits = torch.cat(kept[0]) if kept[0] else torch.zeros(0, num_classes, device=device)
+    labels = torch.cat(kept[1]) if kept[1] else torch.zeros(0, dtype=torch.long, device=device)
+    out.update(calibration.report(logits, labels, temperature, keep_scores))  # collectives: every rank
     out["val_seconds"] = time.perf_counter() - start
     return out
 

@@ -3,11 +3,13 @@
     python export.py runs/demo --format onnx                   # -> runs/demo/checkpoints/best.onnx (+ .json)
     python export.py runs/demo/checkpoints/last.pt --format torchscript --out model.ts
     python -c "import onnxruntime"                             # the ONNX check runs the file in onnxruntime
+    python export.py runs/demo --format onnx --int8            # + best.int8.onnx, if within 1 point of fp32
 
 The batch dimension is dynamic. The sidecar (<out>.json) holds what a deployment
 needs around the network: class names, input size (channels first: 1 for a grey
-run, data.channels=1), resize, mean and std, and how to read the outputs ("activation": softmax, or
-sigmoid with each label's threshold for a multi-label model). Before
+run, data.channels=1), resize, crop, mean and std, EXIF orientation, and how to read the outputs
+("activation": softmax of logits / "temperature", the run's calibration, with "reject_threshold" for
+predict_onnx.py --reject auto; or sigmoid with each label's threshold for a multi-label model). Before
 the file is put in place its outputs are compared with PyTorch's on a batch of
 another size than the one exported with; the max abs diff is printed, and over
 1e-4 nothing is written.
@@ -23,6 +25,12 @@ Then its speed: the median latency of the exported file (in ONNX Runtime, or Tor
 eager model, on the same random inputs, batch 1 and batch 32, on the CPU the export runs on. The
 two alternate call by call (eager, exported, eager, ...), so a load change on a shared machine
 hits both alike: the ratio is what counts. --speed-repeats N calls each (default 10; 0 skips it).
+
+--int8 (ONNX): ONNX Runtime's static quantization (QDQ, int8 weights per channel and activations),
+calibrated on --calib-images N of the run's training images through predict_onnx.py's preprocessing.
+Both files' accuracies on the real-image check's images and their latency ratio are printed; the int8
+file (<out>.int8.onnx, with its sidecar) is written only when its accuracy is within --max-drop points
+(default 1) of fp32's.
 """
 import inspect
 import json
@@ -152,6 +160,75 @@ def speed(model, run, shape, repeats):
     return rows
 
 
+def training_images(data_cfg, n):
+    """The first n of the run's training images, spread over the classes (the split's order)."""
+    try:
+        split = split_dataset(OmegaConf.create(data_cfg))
+    except UserError as e:
+        raise UserError(f"--int8 calibrates on the run's training images: {e}") from None
+    paths = [p for p, _ in split.train]
+    step = max(1, len(paths) // n)
+    return paths[::step][:n]
+
+
+class _Calibration:
+    """onnxruntime.quantization's CalibrationDataReader: the images, one batch of 8 at a time."""
+
+    def __init__(self, paths, spec):
+        self.batches = iter([np.stack([predict_onnx.preprocess(p, spec) for p in paths[i:i + 8]])
+                             for i in range(0, len(paths), 8)])
+        self.name = spec["input"]
+
+    def get_next(self):
+        batch = next(self.batches, None)
+        return None if batch is None else {self.name: batch}
+
+
+def quantize(out, spec, model, items, calib, transform, mode, max_pixels, max_drop, repeats):
+    """<out>.int8.onnx and its sidecar, beside the fp32 file, when its accuracy on `items` is within
+    max_drop points of fp32's; both accuracies and the latency ratio are printed either way."""
+    import onnxruntime
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+    CalibrationDataReader.register(_Calibration)
+    final = out.with_name(out.name.removesuffix(".onnx") + ".int8.onnx")
+    tmp, prepared = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.pre.tmp")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quant_pre_process(str(out), str(prepared))  # shape inference and graph optimisation, as ORT advises
+            quantize_static(str(prepared), str(tmp), _Calibration(calib, spec), quant_format=QuantFormat.QDQ,
+                            per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+        sessions = []
+        for path in (out, tmp):
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = torch.get_num_threads()
+            session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            sessions.append(lambda x, s=session: torch.from_numpy(s.run(None, {"images": x.numpy()})[0]))
+        seen, agree, _, right_fp32, right_int8, labelled = check_on_images(
+            model, sessions[1], items, spec, transform, mode, max_pixels)
+        fp32_acc, int8_acc = right_fp32 / labelled, right_int8 / labelled
+        line = (f"int8: calibrated on {len(calib)} training image(s); accuracy on {labelled}: {fp32_acc:.4f} "
+                f"(fp32) and {int8_acc:.4f} (int8), top-1 agreement {agree}/{seen}")
+        if repeats:
+            rows = speed(sessions[0], sessions[1], tuple(spec["input_size"]), repeats)
+            line += "; latency int8 / fp32: " + ", ".join(f"{i8 / fp:.2f} at batch {b}" for b, fp, i8 in rows)
+        print(line, flush=True)
+        drop = 100 * (fp32_acc - int8_acc)
+        if drop > max_drop:
+            print(f"int8: not written: it loses {drop:.2f} points of accuracy (> --max-drop {max_drop:g})", flush=True)
+            return None
+        tmp.replace(final)
+    finally:
+        tmp.unlink(missing_ok=True)
+        prepared.unlink(missing_ok=True)
+    sidecar = final.with_name(final.name + ".json")
+    sidecar.write_text(json.dumps({**spec, "format": "onnx int8 (static, QDQ)"}, indent=2, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
+    print(f"int8: {final} (+ {sidecar.name})", flush=True)
+    return final
+
+
 @cli_entry
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.splitlines()[0])
@@ -164,6 +241,11 @@ def main(argv=None):
                     help="the real images to check the file on (default: the run's validation images)")
     ap.add_argument("--check-limit", type=int, default=512, metavar="N",
                     help="check on at most N real images (default 512; 0: skip the real-image check)")
+    ap.add_argument("--int8", action="store_true", help="also an int8 file (ONNX Runtime static quantization)")
+    ap.add_argument("--calib-images", type=int, default=100, metavar="N",
+                    help="--int8: training images to calibrate on (default 100)")
+    ap.add_argument("--max-drop", type=float, default=1.0, metavar="POINTS",
+                    help="--int8: the accuracy it may lose, in points of percent (default 1)")
     ap.add_argument("--check-tolerance", type=float, default=CHECK_TOLERANCE, metavar="P",
                     help=f"largest probability difference on real images before nothing is written "
                          f"(default {CHECK_TOLERANCE:g})")
@@ -174,6 +256,10 @@ def main(argv=None):
         raise UserError(f"--speed-repeats {args.speed_repeats}: give a count of calls, or 0 to skip the timing")
     if args.check_limit < 0 or not args.check_tolerance >= 0:
         raise UserError("--check-limit and --check-tolerance take a number of 0 or more")
+    if args.int8 and args.format != "onnx":
+        raise UserError("--int8 quantizes an ONNX file: add --format onnx")
+    if args.int8 and (args.calib_images < 1 or not args.max_drop >= 0):
+        raise UserError("--calib-images takes a count of 1 or more and --max-drop points of 0 or more")
     if args.check_images and not Path(args.check_images).is_dir():
         raise UserError(f"--check-images '{args.check_images}' is not a folder")
     model, classes, config, ckpt_path = load_trained(args.source)
@@ -193,8 +279,10 @@ def main(argv=None):
             "activation": "sigmoid", "multilabel": True,
             "thresholds": model.thresholds}
            if multilabel else
-           {"output": "logits (softmax of logits / temperature gives probabilities)", "activation": "softmax",
-            "multilabel": False, "temperature": 1.0}),
+           {"output": "logits (softmax of logits / temperature gives calibrated probabilities)", "activation": "softmax",
+            "multilabel": False, "temperature": model.temperature,
+            # the calibrated top probability under which predict_onnx.py --reject auto answers "unknown"
+            "reject_threshold": model.reject_threshold}),
         "input_size": [channels, size, size], "resize": resize,
         "mean": list(mean), "std": list(std),
         # What predict_onnx.py's preprocessing follows (predict.py's, step for step).
@@ -206,6 +294,12 @@ def main(argv=None):
     }
     items, source = (images_to_check(args.check_images, data_cfg, classes, args.check_limit)
                      if args.check_limit else ([], "--check-limit 0"))
+    calib = []
+    if args.int8:  # refused before the export when there is nothing to calibrate or to judge it on
+        calib = training_images(data_cfg, args.calib_images)
+        if not any(label is not None for _, label in items):
+            raise UserError(f"--int8 is judged by its accuracy on labelled images, and there are none ({source}); "
+                            "give --check-images DIR of class folders")
 
     gen = torch.Generator().manual_seed(0)
     example = torch.randn(2, channels, size, size, generator=gen)
@@ -239,6 +333,9 @@ def main(argv=None):
     sidecar = out.with_name(out.name + ".json")
     sidecar.write_text(json.dumps(spec, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{args.format}: {out} (+ {sidecar.name})")
+    if args.int8:
+        quantize(out, spec, model, items, calib, transform, MODES[channels], int(data_cfg["max_image_pixels"]),
+                 args.max_drop, args.speed_repeats)
     if args.speed_repeats:
         engine = "ONNX Runtime" if args.format == "onnx" else "TorchScript"
         threads = torch.get_num_threads()

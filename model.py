@@ -30,7 +30,7 @@ from torchvision.ops import misc as tv_misc
 
 from utils import run_dir as run_files
 from utils.cam import find_target
-from utils.checkpoint import best_weights, label_task, load_checkpoint, strip_wrapper_prefixes
+from utils.checkpoint import best_weights, calibration_of, label_task, load_checkpoint, strip_wrapper_prefixes
 from utils.config import register_check
 from utils.errors import OUT_OF_MEMORY, RUNTIME_EXIT, UserError, allocation
 from utils.fsdp import checkpoint_blocks
@@ -600,7 +600,8 @@ def load_trained(source):
     Everything comes from the checkpoint itself: architecture, classes, image sizes, channels (data.channels;
     a checkpoint without it was trained on RGB).
     The EMA weights ("ema") are used when they made the checkpoint's best accuracy ("best_weights").
-    A multi-label checkpoint's model has .multilabel True and .thresholds (one per label).
+    A multi-label checkpoint's model has .multilabel True and .thresholds (one per label); a single-label
+    one .temperature (1.0 where the run fitted none) and .reject_threshold (None where it fitted none).
     """
     path = checkpoint_path(source)
     state = load_checkpoint(path, map_location="cpu")  # weights_only: pickled code is refused
@@ -617,6 +618,8 @@ def load_trained(source):
     except RuntimeError as e:
         raise UserError(f"checkpoint '{path}' does not fit a {name}: {str(e).splitlines()[0]}")
     model.multilabel, model.thresholds = label_task(state)  # how predict.py and export.py read its outputs
+    temperature, model.reject_threshold = calibration_of(state)
+    model.temperature = temperature or 1.0  # softmax(logits / temperature): calibrated where the run fitted it
     return model.eval(), classes, config, path
 
 

@@ -6,11 +6,15 @@ at or above their thresholds, and each label's probability).
     python predict.py runs/demo folder/ --out preds.json --batch-size 128 --device cuda
     python predict.py runs/demo data/demo_flowers/daisy --cam runs/demo/cam             # + Grad-CAM overlays
     python predict.py runs/demo photo.jpg --cam cam/ --cam-class tulips                # the map of one class
+    python predict.py runs/demo photos/ --reject auto        # "unknown" under the threshold keeping 95% of val
 
 PATH is an image, a folder (searched recursively) or a glob. The model, the
 validation transform, the class names and the channels (a grey run's images are
 read as grey) come from the checkpoint itself; EMA
-weights are used when it holds them. A table shows the first images; all go to
+weights are used when it holds them. The probabilities are calibrated: softmax(logits / T), the
+temperature T fitted on validation by the run (utils/calibration.py); --reject auto|P answers "unknown"
+where the top one is under P (auto: the run's threshold, which keeps 95% of validation images). A table
+shows the first images; all go to
 --out (.csv or .json; default: predictions.csv in the run directory). A multi-label
 checkpoint gives each image the labels whose sigmoid probability reaches the label's
 threshold (from the checkpoint: eval.threshold, or those tuned on validation), and
@@ -35,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from data import build_transforms, is_image_file, trained_data_config
 from model import load_trained
 # The table and the --out file are predict_onnx.py's, so that the two predictors never differ in them.
+import predict_onnx
 from predict_onnx import print_table, write_predictions
 from utils import run_dir as run_files
 from utils.cam import find_target, maps_for, overlay
@@ -85,10 +90,11 @@ class ImageFiles(Dataset):
 
 
 def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0, mode="RGB",
-            thresholds=None):
+            thresholds=None, temperature=1.0, reject=0.0):
     """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable). mode: RGB or L (grey).
-    thresholds (multi-label, one per label): each row is (path, [(label index, prob) of the labels at or
-    above their threshold, most probable first], every label's prob)."""
+    Probabilities are softmax(logits / temperature); a top probability under `reject` makes the row
+    [(-1, prob)]: "unknown". thresholds (multi-label, one per label): each row is (path, [(label index, prob)
+    of the labels at or above their threshold, most probable first], every label's prob)."""
     files = ImageFiles(paths, transform, size, max_pixels, mode)
     loader = DataLoader(files, batch_size=batch_size, num_workers=workers, pin_memory=device.type == "cuda")
     norm = normalization_of(files, device)  # uint8 batches are normalised on the device, as in training
@@ -96,7 +102,8 @@ def predict(model, paths, transform, size, device, topk, batch_size, workers, ma
     with torch.inference_mode():
         for images, index, errors in loader:
             logits = model(model_input(images, device, norm)).float()
-            probs = logits.sigmoid() if thresholds is not None else logits.softmax(dim=1)
+            # float64 softmax, as predict_onnx.py's: a small temperature leaves float32 little room under 1.
+            probs = logits.sigmoid() if thresholds is not None else (logits.double() / temperature).softmax(dim=1)
             top = probs.topk(topk if thresholds is None else probs.shape[1], dim=1)
             for i, err, p, c, every in zip(index.tolist(), errors, top.values.tolist(), top.indices.tolist(),
                                            probs.tolist()):
@@ -105,6 +112,8 @@ def predict(model, paths, transform, size, device, topk, batch_size, workers, ma
                     bad.append((paths[i], err))
                 elif thresholds is not None:
                     rows.append((paths[i], [(k, pk) for k, pk in zip(c, p) if pk >= thresholds[k]], every))
+                elif p[0] < reject:
+                    rows.append((paths[i], [(-1, p[0])]))  # "unknown": under the rejection threshold
                 else:
                     rows.append((paths[i], list(zip(c, p))))
     return rows, bad
@@ -124,7 +133,8 @@ def write_cams(model, target, rows, classes, cam_dir, cam_class, transform, size
         images = torch.stack([files[i][0] for i in part])
         pairs = [(j, c) for j, i in enumerate(part)
                  for c in ([cam_class] if cam_class is not None else [k for k, _ in rows[i][1]][:1]
-                           if len(rows[i]) == 2 else [k for k, _ in rows[i][1]])]
+                           if len(rows[i]) == 2 else [k for k, _ in rows[i][1]])
+                 if c >= 0]  # an "unknown" answer (--reject) has no class to explain
         cams = maps_for(model, model_input(images, device, norm), pairs, *target)
         shown = denormalize(images, mean, std)
         for (j, c), cam in zip(pairs, cams):
@@ -151,6 +161,8 @@ def main(argv=None):
     ap.add_argument("--out", help="FILE.csv or FILE.json (default: predictions.csv in the run directory)")
     ap.add_argument("--cam", metavar="DIR", help="also write a Grad-CAM overlay PNG per image into DIR")
     ap.add_argument("--cam-class", metavar="NAME", help="--cam's class (default: each image's top class)")
+    ap.add_argument("--reject", metavar="auto|P", help='answer "unknown" when the calibrated top probability is '
+                    "under P; auto: the checkpoint's threshold, which keeps 95%% of validation images")
     args = ap.parse_args(argv)
     # Everything a user can get wrong is checked before the model is loaded or an image decoded.
     if args.out and Path(args.out).suffix.lower() not in (".csv", ".json"):
@@ -159,8 +171,19 @@ def main(argv=None):
         raise UserError("--topk and --batch-size must be at least 1")
     if args.cam_class and not args.cam:
         raise UserError("--cam-class needs --cam DIR (where the overlays go)")
+    try:  # checked before the model is loaded
+        reject = predict_onnx.parse_reject(args.reject)
+    except predict_onnx.UserError as e:
+        raise UserError(str(e)) from None
     device = resolve_device(args.device)
     model, classes, config, ckpt_path = load_trained(args.source)
+    if getattr(model, "multilabel", False) and args.reject:
+        raise UserError("--reject is for a single-label model; a multi-label one answers no label under its thresholds")
+    if reject == "auto":
+        if model.reject_threshold is None:
+            raise UserError(f"--reject auto: checkpoint '{ckpt_path}' holds no rejection threshold (written before "
+                            "runs fitted one); give --reject P, a probability")
+        reject = model.reject_threshold
     cam_class, target = None, None
     if args.cam:
         if args.cam_class is not None and args.cam_class not in classes:
@@ -184,7 +207,8 @@ def main(argv=None):
     thresholds = model.thresholds if getattr(model, "multilabel", False) else None  # the checkpoint's own
     try:
         rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
-                            int(data_cfg["max_image_pixels"]), mode=MODES[channels], thresholds=thresholds)
+                            int(data_cfg["max_image_pixels"]), mode=MODES[channels], thresholds=thresholds,
+                            temperature=getattr(model, "temperature", 1.0), reject=reject or 0.0)
     except OUT_OF_MEMORY as e:
         raise UserError(f"out of memory on {device} at --batch-size {args.batch_size}{allocation(e)}: try "
                         f"--batch-size {max(1, args.batch_size // 2)}", RUNTIME_EXIT) from e

@@ -301,6 +301,19 @@ def write_predictions(rows, classes, out, topk):
     tmp.replace(out)
 
 
+def parse_reject(value):
+    """--reject: None, "auto", or a probability in (0, 1]; anything else is the user's error."""
+    if value is None or value == "auto":
+        return value
+    try:
+        p = float(value)
+    except ValueError:
+        p = -1.0
+    if not 0 < p <= 1:
+        raise UserError(f"--reject '{value}': give auto or a probability above 0 and at most 1")
+    return p
+
+
 def check_out(out):
     if Path(out).suffix.lower() not in (".csv", ".json"):
         raise UserError(f"--out '{out}' must end in .csv or .json")
@@ -315,20 +328,30 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=5, help="classes per image (default 5)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--out", help="FILE.csv or FILE.json (default: predictions_onnx.csv beside the model)")
+    ap.add_argument("--reject", metavar="auto|P", help='answer "unknown" when the calibrated top probability is '
+                    "under P; auto: the sidecar's threshold, which keeps 95%% of validation images")
     args = ap.parse_args(argv)
     try:
         if args.topk < 1 or args.batch_size < 1:
             raise UserError("--topk and --batch-size must be at least 1")
+        reject = parse_reject(args.reject)
         if not Path(args.model).is_file():
             raise UserError(f"model '{args.model}' does not exist")
         out = Path(args.out) if args.out else Path(args.model).with_name("predictions_onnx.csv")
         check_out(out)
         spec = read_sidecar(args.model)
+        if reject is not None and spec["activation"] == "sigmoid":
+            raise UserError("--reject is for a single-label model; a multi-label one answers no label under its thresholds")
+        if reject == "auto":
+            reject = spec.get("reject_threshold")
+            if reject is None:
+                raise UserError("--reject auto: the sidecar holds no reject_threshold (a model exported before "
+                                "runs fitted one); give --reject P, a probability")
         classes = spec["classes"]
         paths = find_images(args.paths)
         topk = min(args.topk, len(classes))
         start = time.perf_counter()
-        rows, bad = predict(args.model, paths, spec, topk, args.batch_size)
+        rows, bad = predict(args.model, paths, spec, topk, args.batch_size, reject or 0.0)
         seconds = time.perf_counter() - start
         if not rows:
             raise UserError(f"none of the {len(paths)} image(s) could be read (see the warnings above)", 1)

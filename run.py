@@ -24,6 +24,8 @@ import torch
 
 from engine import EpochHooks, EvalSettings, Step, build_step, compute_settings, evaluate, is_multilabel, \
     sample_metrics, seed_for, train_one_epoch
+from data import make_loader, unlabelled_set
+from utils import calibration
 from utils import checkpoint as ckpt
 from utils import figures, fsdp, param_groups, profiling, run_record
 from utils import run_dir as run_files
@@ -35,6 +37,7 @@ from utils.errors import OUT_OF_MEMORY, UserError, nondeterministic_op, out_of_m
 from utils.metrics import classification_report, multilabel_report
 from utils.optim import group_lrs, per_group_lrs, place_schedule
 from utils.run_logger import RunLogger, check_run_dir, check_writable, resolve_run_dir, scalar_tag, write_json
+from utils.samplers import ShardSampler
 from utils.stop import StopRequest
 
 
@@ -303,8 +306,11 @@ def _train_epoch(run, epoch):
     if is_best:
         run_state.best_score, run_state.best_weights, run_state.best_epoch = score, which, epoch + 1
     run_state.bad_epochs = 0 if is_best else run_state.bad_epochs + 1  # in the checkpoint: a resume counts on
-    if run_state.multilabel:  # those of the weights a checkpoint's user loads (checkpoint.best_weights)
-        run_state.thresholds = val["val_threshold_ema" if run_state.best_weights == "ema" else "val_threshold"]
+    ema = "_ema" if run_state.best_weights == "ema" else ""  # the weights a checkpoint's user loads (best_weights)
+    if run_state.multilabel:
+        run_state.thresholds = val[f"val_threshold{ema}"]
+    else:  # their temperature and rejection threshold, fitted on val (utils/calibration.py)
+        run_state.temperature, run_state.reject_threshold = val[f"val_temperature{ema}"], val[f"val_reject_threshold{ema}"]
     run_state.epoch = epoch + 1
     run.saver.save(run_state, is_best=is_best, wait=False)  # written beside the next epoch
     key = score_key(run_state.multilabel)
@@ -334,7 +340,7 @@ def _train_epoch(run, epoch):
 
 
 # The validation numbers evaluated for the EMA too (as <name>_ema), single-label and multi-label.
-EMA_METRICS = {False: ("val_loss", "val_acc", "val_macro_f1"),
+EMA_METRICS = {False: ("val_loss", "val_acc", "val_macro_f1", "val_temperature", "val_reject_threshold"),
                True: ("val_loss", "val_map", "val_macro_f1", "val_threshold")}
 
 
@@ -346,6 +352,7 @@ def _validate(run):
     val = evaluate(step.model, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
                    worst_k=cfg.train.worst_images if cfg.train.figures else 0, **thresholds)
     worst, pr = val.pop("val_worst", None), val.pop("val_pr", None)
+    val.pop("val_reliability", None)  # eval-only's picture; metrics.jsonl keeps the two ECEs
     if step.ema is not None:  # the average's own evaluation, beside the raw weights'
         averaged = evaluate(step.ema.module, run.val_loader, step.device, len(run.classes), step, logger=run.logger,
                             **thresholds)
@@ -503,16 +510,19 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     """--eval-only: the checkpoint's (or --weights') model on the validation split, or on test/
     when the data root has one; rank 0 writes eval.json (evaluate's own keys) and two pictures.
     Multi-label: at the checkpoint's thresholds (eval.threshold for --weights, or tuned on this split
-    with eval.tune_thresholds), eval.json with a per-label table ("labels")."""
+    with eval.tune_thresholds), eval.json with a per-label table ("labels"). Single-label: ECE before and
+    after the checkpoint's temperature (fitted on val by the run; on this split for a checkpoint without
+    one), and with eval.ood (--ood DIR) those images' out-of-distribution scores against this split ("ood")."""
     device, multilabel, net = dist_info.device, is_multilabel(val_loader), ckpt.unwrap(model)
     if resume_path is None and not cfg.model.weights:  # load_config refused neither; --resume auto found nothing
         raise UserError(f"--eval-only --resume {cfg.resume} found no checkpoint in '{run_dir}'; pass "
                         "--resume CHECKPOINT or --weights FILE", every_rank=True)
-    source, thresholds = str(resume_path or cfg.model.weights), None
+    source, thresholds, temperature, reject = str(resume_path or cfg.model.weights), None, None, None
     if resume_path is not None:
         state = state or ckpt.load_checkpoint(resume_path, map_location="cpu")
         ckpt.check_compatible(state, model, classes, model_name=cfg.model.name)
         theirs, thresholds = ckpt.label_task(state)
+        temperature, reject = ckpt.calibration_of(state)
         if theirs != multilabel:
             task = {True: "multi-label", False: "single-label"}
             raise UserError(f"checkpoint '{resume_path}' is of a {task[theirs]} run, the data is {task[multilabel]} "
@@ -528,11 +538,20 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     metric = metric.removesuffix("_ema")
     if dist_info.rank == 0:
         check_writable(run_dir)
-    val = evaluate(model, val_loader, device, len(classes), EvalSettings(*compute_settings(cfg, device, multilabel=multilabel)),
+    settings = EvalSettings(*compute_settings(cfg, device, multilabel=multilabel))
+    val = evaluate(model, val_loader, device, len(classes), settings,
                    worst_k=cfg.train.worst_images, threshold=thresholds or cfg.eval.threshold,
-                   tune_thresholds=cfg.eval.tune_thresholds)
+                   tune_thresholds=cfg.eval.tune_thresholds, temperature=temperature, keep_scores=bool(cfg.eval.ood))
     val.pop("val_seconds")
     val.pop("val_pr", None)
+    known = val.pop("val_scores", None)
+    ood = None
+    if not multilabel:
+        val["temperature_from"] = "checkpoint" if temperature is not None else "fitted here"
+        if cfg.eval.ood:  # every rank: the scores are gathered
+            reject = reject if reject is not None else val["val_reject_threshold"]
+            ood = _ood_scores(cfg, model, val_loader, len(classes), settings, dist_info, val["val_temperature"],
+                              known, reject)
     if multilabel:
         val["val_worst"] = [{**w, "true": [classes[c] for c in w["labels"]],
                              "predicted": [classes[c] for c in w["preds"]]} for w in val.get("val_worst", [])]
@@ -543,13 +562,16 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
                             for w in val.get("val_worst", [])]
     split = getattr(val_loader.dataset, "split", "val")
     result = {"checkpoint": source, "split": split, "classes": list(classes), "best_metric": metric,
-              **profiling.model_cost(net, cfg.data.img_size, cfg.data.channels), **val}
+              **profiling.model_cost(net, cfg.data.img_size, cfg.data.channels), **val,
+              **({"ood": ood} if ood is not None else {})}
     if dist_info.rank == 0:
         if multilabel:
             figures.save_png(figures.f1_bars_image(val["val_f1"], classes), run_dir / run_files.F1_BARS_PNG)
         else:
             figures.save_png(figures.confusion_matrix_image(val["val_confusion"], classes),
                              run_dir / run_files.CONFUSION_PNG)
+            figures.save_png(figures.reliability_image(val["val_reliability"], val["val_temperature"]),
+                             run_dir / run_files.RELIABILITY_PNG)
         if cfg.train.worst_images:
             cam = _gallery_cam(net, cfg) if val["val_worst"] else None
             figures.save_png(figures.worst_picture(val["val_worst"], classes, val_loader.dataset, cam),
@@ -563,7 +585,26 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
             scores = f"accuracy {val['val_acc']:.4f}{top5}"
         print(f"eval-only: {source} on {split}: {val['val_count']} images  {scores}  "
               f"macro-F1 {val['val_macro_f1']:.4f}  -> {run_dir / 'eval.json'}", flush=True)
+        if not multilabel:
+            print(f"calibration: ECE {val['val_ece']:.4f} -> {val['val_ece_calibrated']:.4f} at temperature "
+                  f"{val['val_temperature']:.3f} ({val['temperature_from']})", flush=True)
+        if ood is not None:
+            mp, en = ood["max_prob"], ood["energy"]
+            print(f"ood: {ood['images']} images of no class vs {ood['known_images']} of {split}: max-prob AUROC "
+                  f"{mp['auroc']:.4f}, FPR at 95% TPR {mp['fpr_at_95_tpr']:.4f}, {mp['rejected']:.1%} rejected "
+                  f"under {mp['reject_threshold']:.3f}; energy AUROC {en['auroc']:.4f}, FPR at 95% TPR "
+                  f"{en['fpr_at_95_tpr']:.4f}", flush=True)
     return {best_key(metric): val.get(metric), "best_metric": metric, "run_dir": str(run_dir), "last": result}
+
+
+def _ood_scores(cfg, model, val_loader, num_classes, settings, dist_info, temperature, known, reject):
+    """eval.json's "ood": the images of eval.ood, read and sharded as validation is, scored at `temperature`
+    against the known images' scores (utils/calibration.py's ood_report). Called by every rank."""
+    unknown_set = unlabelled_set(cfg.eval.ood, val_loader.dataset)
+    loader = make_loader(unknown_set, cfg.train.batch_size, ShardSampler(unknown_set, dist_info.world_size, dist_info.rank),
+                         cfg.data, dist_info.device, train=False, channels_last=cfg.model.channels_last)
+    unknown = evaluate(model, loader, dist_info.device, num_classes, settings, temperature=temperature, keep_scores=True)
+    return calibration.ood_report(known, unknown["val_scores"], reject)
 
 
 # The per-label columns of a multi-label eval.json's table ("labels"), each a val_* list of evaluate's.

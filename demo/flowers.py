@@ -13,6 +13,10 @@ arguments give byte-identical files; no global random state is touched. Needs on
     python demo/flowers.py data/demo_flowers                            # 100 per class, 500 images
     python demo/flowers.py data/demo_flowers --images-per-class 200 --seed 1
     python demo/flowers.py data/flower_photos --flower-photos-counts    # the real class sizes, 3,670 images
+    python demo/flowers.py data/demo_no_class --no-class 100            # images of none of the classes
+
+Images of no class (--no-class N, for --eval-only --ood): the same backgrounds and camera, with stones,
+fallen leaves or a butterfly instead of flowers, drawn from ``default_rng([seed, 99, i])``.
 
     from demo.flowers import ensure; ensure("data/demo_flowers")  # repo root on sys.path; only if absent or empty
 
@@ -192,6 +196,46 @@ def camera(rng, img, w, h):
     return ImageChops.add(img, Image.merge("RGB", (grain,) * 3), 1.0, -(amp // 2))
 
 
+def _no_class(index, seed, min_size, max_size):
+    """Image ``index`` of no class: a background with stones, fallen leaves or a butterfly, no flower."""
+    rng = np.random.default_rng([seed, 99, index])
+    w, h = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
+    img = background(rng, w, h).resize((w * SS, h * SS), Image.NEAREST)
+    draw, kind = ImageDraw.Draw(img), int(rng.integers(3))
+    for _ in range(int(rng.integers(1, 6))):
+        x, y, r = rng.uniform(0.1, 0.9) * w * SS, rng.uniform(0.2, 0.9) * h * SS, min(w, h) * SS * rng.uniform(0.05, 0.2)
+        if kind == 0:  # a stone: a grey-brown ellipse with a lighter top
+            grey = _colour(rng, (20, 50), (0.05, 0.25), (0.35, 0.7))
+            draw.ellipse((x - r, y - r * 0.6, x + r, y + r * 0.6), fill=grey)
+            draw.ellipse((x - r * 0.6, y - r * 0.5, x + r * 0.4, y), fill=_shade(grey, 1.2))
+        elif kind == 1:  # a fallen leaf: an orange-brown pointed oval and its midrib
+            turn = rng.uniform(0, 6.3)
+            xs, ys = _oval(0, -r, r, r * 0.45)
+            c, s = math.cos(turn), math.sin(turn)
+            draw.polygon(list(zip(x + c * xs - s * ys, y + s * xs + c * ys)), fill=_colour(rng, (15, 40), (0.6, 0.9), (0.4, 0.8)))
+            draw.line((x - c * r, y - s * r, x + c * r, y + s * r), fill=(70, 45, 20), width=max(1, round(r / 12)))
+        else:  # a butterfly: two pairs of blue wings and a dark body
+            wing = _colour(rng, (200, 240), (0.6, 0.95), (0.6, 0.95))
+            for side in (-1, 1):
+                draw.ellipse((x + side * r * 0.9 - r * 0.5, y - r * 0.7, x + side * r * 0.9 + r * 0.5, y), fill=wing)
+                draw.ellipse((x + side * r * 0.6 - r * 0.35, y, x + side * r * 0.6 + r * 0.35, y + r * 0.6),
+                             fill=_shade(wing, 0.8))
+            draw.line((x, y - r * 0.7, x, y + r * 0.6), fill=(30, 25, 20), width=max(1, round(r / 6)))
+    return camera(rng, img.reduce(SS), w, h)
+
+
+def generate_no_class(root, images=100, seed=0, min_size=240, max_size=500):
+    """Write ``images`` pictures of none of the classes to ``root`` (absent or empty), for --eval-only --ood."""
+    if not (type(images) is int and images >= 1):
+        raise ValueError(f"images must be an int >= 1, got {images!r}")
+
+    def write(tmp):
+        for i in range(images):
+            _no_class(i, seed, min_size, max_size).save(tmp / f"no_class_{i:04d}.jpg", quality=90)
+
+    return write_set(root, dict(no_class=images, seed=seed, min_size=min_size, max_size=max_size), write)
+
+
 def generate(root, images_per_class=100, seed=0, min_size=240, max_size=500):
     """Write the set to ``root``, absent or an empty folder (else FileExistsError), and return it as a Path.
     ``images_per_class``: an int or a dict class -> int (FLOWER_PHOTOS_COUNTS); sides in [min_size, max_size]."""
@@ -249,13 +293,22 @@ def main(argv=None):
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--images-per-class", type=int, default=100, metavar="N", help="default: 100")
     sizes.add_argument("--flower-photos-counts", action="store_true", help="the real class sizes, 3,670 images")
+    sizes.add_argument("--no-class", type=int, metavar="N", help="N images of none of the classes instead (--ood)")
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     args = parser.parse_args(argv)
-    if args.images_per_class < 1 or args.seed < 0:
-        parser.error("--images-per-class must be >= 1 and --seed >= 0")
+    if args.images_per_class < 1 or args.seed < 0 or (args.no_class is not None and args.no_class < 1):
+        parser.error("--images-per-class and --no-class must be >= 1 and --seed >= 0")
     root, start = Path(args.out_dir), time.perf_counter()
     if (root / MARKER).is_file():
         print(f"{root}: a complete demo set is already there; nothing written")
+        return
+    if args.no_class is not None:
+        try:
+            generate_no_class(root, args.no_class, args.seed)
+        except FileExistsError as e:
+            parser.error(str(e))
+        print(f"wrote {args.no_class} images of no class (seed {args.seed}) to {root} in "
+              f"{time.perf_counter() - start:.1f}s")
         return
     try:
         ensure(root, FLOWER_PHOTOS_COUNTS if args.flower_photos_counts else args.images_per_class, args.seed)

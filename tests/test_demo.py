@@ -185,6 +185,20 @@ def test_cli_refuses_a_foreign_folder_in_one_line(tmp_path):
     assert "not writing into it" in bad.stderr and listing(tmp_path) == ["notes.txt"]
 
 
+def test_cli_writes_images_of_no_class_the_same_each_time(tmp_path):
+    """--no-class N: N decodable JPEGs in one folder, no class folders, the same bytes for the same seed."""
+    runs = [_cli(str(tmp_path / name), "--no-class", "3") for name in ("a", "b")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout.startswith(f"wrote 3 images of no class (seed 0) to {tmp_path / 'a'}")
+    assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
+    assert listing(tmp_path / "a") == sorted([MARKER, *(f"no_class_{i:04d}.jpg" for i in range(3))])
+    for path in (tmp_path / "a").glob("*.jpg"):
+        with Image.open(path) as img:
+            img.load()
+            assert img.mode == "RGB" and 240 <= min(img.size)
+    assert _cli(str(tmp_path / "c"), "--no-class", "0").returncode == 2 and not (tmp_path / "c").exists()
+
+
 def _colour_features(root):
     """sqrt of a 4x4x4 RGB histogram of a 32x32 thumbnail, with the class of each image."""
     features, labels = [], []

@@ -135,6 +135,9 @@ def test_eval_only_is_exact_under_ddp(mislabelled_single, mislabelled, trained_r
         assert got[key] == single[key], key
     # And each rank's batches have other sizes: CPU convolutions may round float32 logits differently (5e-8 seen).
     assert got["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
+    # Calibration: sums all-reduced, confidences gathered: a single process's numbers.
+    for key in ("val_temperature", "val_ece", "val_ece_calibrated", "val_reject_threshold"):
+        assert got[key] == pytest.approx(single[key], rel=1e-6), key
     worst, single_worst = got["val_worst"], single["val_worst"]
     assert len(worst) == WORST
     assert [(w["index"], w["pred"], w["true"]) for w in worst] == [(w["index"], w["pred"], w["true"]) for w in single_worst]

@@ -140,3 +140,52 @@ def test_a_sidecar_that_preprocesses_otherwise_writes_nothing(trained_run, tmp_p
     assert "real images: 5 validation image(s)" in printed
     assert err.startswith("error: on real images the exported model's probabilities differ from PyTorch's by ")
     assert "(> --check-tolerance 0.001); nothing written" in err and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- --int8
+
+def test_int8_is_written_beside_fp32_when_within_max_drop(trained_run, tmp_path, capsys):
+    """ONNX Runtime's static quantization calibrated on 10 training images: both accuracies on the 30
+    labelled images, the latency ratio, and an int8 file about a quarter of fp32's size that predict_onnx.py
+    runs with its sidecar, scoring the accuracy printed."""
+    import csv
+    import re
+
+    from conftest import run_entry
+    out = tmp_path / "model.onnx"
+    with single_thread():
+        export.main([str(trained_run["run_dir"]), "--format", "onnx", "--out", str(out), "--speed-repeats", "2",
+                     "--check-images", str(trained_run["data"]), "--int8", "--calib-images", "10", "--max-drop", "100"])
+    printed = capsys.readouterr().out
+    got = re.search(r"^int8: calibrated on 10 training image\(s\); accuracy on 30: (\S+) \(fp32\) and (\S+) \(int8\), "
+                    r"top-1 agreement \d+/30; latency int8 / fp32: \S+ at batch 1, \S+ at batch 32$", printed, re.M)
+    assert got, printed
+    int8 = tmp_path / "model.int8.onnx"
+    assert f"int8: {int8} (+ model.int8.onnx.json)" in printed
+    assert int8.stat().st_size < out.stat().st_size / 3
+    preds = tmp_path / "int8.csv"
+    proc = run_entry("predict_onnx.py", int8, trained_run["data"], "--out", preds)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(preds.open()))
+    right = sum(r["class1"] == r["path"].split("/")[-2] for r in rows)
+    assert len(rows) == 30 and float(got[2]) == round(right / 30, 4)
+
+
+def test_int8_over_max_drop_is_not_written(trained_run, tmp_path, monkeypatch, capsys):
+    """An int8 file that loses more than --max-drop points (here: its accuracy check made to count one
+    image fewer right, 3.3 points of 30) is named with its loss and not written; the fp32 file is."""
+    real, calls = export.check_on_images, []
+
+    def one_fewer_for_int8(*args):
+        seen, agree, largest, right_torch, right_export, labelled = real(*args)
+        calls.append(1)
+        return seen, agree, largest, right_torch, right_export - (len(calls) == 2), labelled
+
+    monkeypatch.setattr(export, "check_on_images", one_fewer_for_int8)
+    out = tmp_path / "model.onnx"
+    with single_thread():
+        export.main([str(trained_run["run_dir"]), "--format", "onnx", "--out", str(out), "--speed-repeats", "0",
+                     "--check-images", str(trained_run["data"]), "--int8", "--calib-images", "10"])
+    printed = capsys.readouterr().out
+    assert "int8: not written: it loses 3.33 points of accuracy (> --max-drop 1)" in printed and len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.json"]

@@ -49,8 +49,8 @@ def test_top1_equals_the_evaluated_models_argmax(trained_run, tmp_path):
     with torch.no_grad():
         logits = model.eval()(batch)
     assert [r["class1"] for r in rows] == [state["classes"][i] for i in logits.argmax(1).tolist()]
-    # Each of the five columns is the softmax of those logits, to the 6 decimals written.
-    top = logits.softmax(1).topk(5, dim=1)
+    # Each of the five columns is the softmax of those logits over the run's temperature, to the 6 decimals written.
+    top = (logits.double() / state["temperature"]).softmax(1).topk(5, dim=1)
     for row, probs, classes in zip(rows, top.values.tolist(), top.indices.tolist()):
         assert [row[f"class{k}"] for k in range(1, 6)] == [state["classes"][c] for c in classes]
         assert [float(row[f"prob{k}"]) for k in range(1, 6)] == pytest.approx(probs, abs=2e-6)

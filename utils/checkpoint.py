@@ -147,6 +147,8 @@ class RunState:
     best_weights: str = "model"         # which weights scored best_score: "model", or "ema" (train.ema_decay)
     multilabel: bool = False            # the data's task: sigmoid outputs, one threshold per label
     thresholds: Optional[list] = None   # multi-label: each label's threshold, of the last evaluation
+    temperature: Optional[float] = None  # single-label: the softmax temperature fitted on val (utils/calibration.py)
+    reject_threshold: Optional[float] = None  # single-label: the calibrated top probability keeping 95% of val
     best_metric: str = ""               # what best.pt follows (train.best_metric): val_acc, val_loss, ...
     best_mode: str = "max"              # "max" or "min": which way best_metric improves (train.best_mode)
     best_epoch: int = 0                 # the epoch (1-based) that scored best_score; 0 = none or not recorded
@@ -160,7 +162,9 @@ class RunState:
                 "best_metric": self.best_metric, "best_mode": self.best_mode, "best_epoch": self.best_epoch,
                 "bad_epochs": self.bad_epochs, "best_weights": self.best_weights, "multilabel": self.multilabel,
                 **({"best_acc": self.best_score} if old else {}),
-                **({"thresholds": self.thresholds} if self.multilabel else {})}
+                **({"thresholds": self.thresholds} if self.multilabel else {}),
+                **({"temperature": self.temperature, "reject_threshold": self.reject_threshold}
+                   if not self.multilabel and self.temperature is not None else {})}
 
     @classmethod
     def of(cls, state):
@@ -171,7 +175,8 @@ class RunState:
         return cls(state["epoch"], state["global_step"], score, state.get("best_weights", "model"), multilabel,
                    state.get("thresholds"), best_metric=state.get("best_metric", BEST_ACC_METRIC[multilabel]),
                    best_mode=state.get("best_mode", "max"), best_epoch=state.get("best_epoch", 0),
-                   bad_epochs=state.get("bad_epochs", 0))
+                   bad_epochs=state.get("bad_epochs", 0), temperature=state.get("temperature"),
+                   reject_threshold=state.get("reject_threshold"))
 
     def better(self, score, than):
         """Whether `score` strictly improves on `than` (None: nothing yet) in best_mode."""
@@ -186,6 +191,14 @@ class RunState:
                 f"{metric} ({mode}): the best and the early-stop count restart") if self.best_metric else None
         self.best_metric, self.best_mode, self.best_score, self.best_epoch, self.bad_epochs = metric, mode, None, 0, 0
         return note
+
+
+def calibration_of(state):
+    """(temperature, rejection threshold) of a single-label checkpoint: those fitted on val by the run,
+    (None, None) for a checkpoint written before (or a multi-label one)."""
+    if state.get("multilabel", False):
+        return None, None
+    return state.get("temperature"), state.get("reject_threshold")
 
 
 def label_task(state):

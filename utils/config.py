@@ -140,6 +140,7 @@ class DDPConfig:
 class EvalConfig:
     threshold: float = MISSING
     tune_thresholds: bool = MISSING
+    ood: str = MISSING
 
 
 @dataclass
@@ -169,6 +170,7 @@ CLASSIC_FLAGS = {
     "--device": "train.device",
     "--output-dir": "output_dir",
     "--resume": "resume",
+    "--ood": "eval.ood",
 }
 
 CHOICES = {
@@ -311,6 +313,10 @@ def _check_ranges(cfg):
         bad("train.worst_images", "must be 0 (no picture) or more")
     if cfg.eval_only and not (cfg.resume or cfg.model.weights):
         raise UserError("--eval-only needs a model to evaluate: --resume CHECKPOINT or --weights FILE")
+    if cfg.eval.ood and not cfg.eval_only:
+        raise UserError(f"--ood '{cfg.eval.ood}' scores images of no class with --eval-only; add --eval-only --resume CHECKPOINT")
+    if cfg.eval.ood and not Path(cfg.eval.ood).is_dir():
+        raise UserError(f"--ood '{cfg.eval.ood}' is not a folder (of images of none of the classes)")
     if cfg.train.save_every_steps < 0:
         bad("train.save_every_steps", "must be 0 (epoch ends only) or more")
     if not 0.0 <= cfg.optim.label_smoothing < 1.0:

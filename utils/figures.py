@@ -127,6 +127,37 @@ def f1_bars_image(f1, classes, title="per-label F1 at the thresholds"):
     return np.asarray(img).copy()
 
 
+def reliability_image(table, temperature, size=260):
+    """The reliability diagram, before and after the temperature (utils/calibration.reliability's bins): per
+    confidence bin a bar to its accuracy, the gap to the bin's mean confidence in red, the diagonal dashed
+    (perfect calibration), each panel titled with its ECE."""
+    from PIL import Image, ImageDraw
+    from utils.calibration import ece_of
+    bins, pad, top = table["bins"], 40, 34
+    img = Image.new("RGB", (2 * (size + pad) + pad, size + top + 50), "white")
+    draw = ImageDraw.Draw(img)
+    for k, (name, rows) in enumerate((("before (T = 1)", table["before"]), (f"after (T = {temperature:.3g})", table["after"]))):
+        x0, y1 = pad + k * (size + pad), top + size
+        count, conf, right = (np.asarray(r, dtype=np.float64) for r in rows)
+        w = size / bins
+        for b in np.nonzero(count)[0]:
+            acc, mean = right[b] / count[b], conf[b] / count[b]
+            left, right_x = x0 + b * w + 1, x0 + (b + 1) * w - 1
+            draw.rectangle((left, y1 - acc * size, right_x, y1), fill=tuple(int(c) for c in _blues(0.75)))
+            lo, hi = sorted((acc, mean))
+            draw.rectangle((left, y1 - hi * size, right_x, y1 - lo * size), outline=_COLOURS["firebrick"])
+        for t in np.linspace(0, 1, 40, endpoint=False):  # the diagonal, dashed
+            draw.line((x0 + t * size, y1 - t * size, x0 + (t + 0.0125) * size, y1 - (t + 0.0125) * size), fill=(90, 90, 90))
+        draw.rectangle((x0, top, x0 + size, y1), outline=(0, 0, 0))
+        _text(draw, (x0 + size // 2, top // 2), f"{name}: ECE {ece_of(rows):.4f}", 12)
+        _text(draw, (x0 + size // 2, y1 + 24), "confidence (top probability)", 11)
+        for v in (0, 0.5, 1):
+            _text(draw, (x0 + v * size, y1 + 4), f"{v:g}", 9, anchor="mt")
+            _text(draw, (x0 - 4, y1 - v * size), f"{v:g}", 9, anchor="rm")
+    _text(draw, (img.width // 2, img.height - 10), "bars: accuracy per bin; red: its gap to the mean confidence", 10)
+    return np.asarray(img).copy()
+
+
 def image_grid(images, titles, colours=None, title=None, cols=None, cell=112):
     """Images in [0, 1] (N, 3, H, W) with a caption each (red/green via `colours`), in one mosaic."""
     from PIL import Image, ImageDraw

@@ -23,6 +23,7 @@ PARAM_GROUPS = "param_groups.json"
 PREDICTIONS = "predictions.csv"
 # --eval-only's pictures (a training run's go to TensorBoard): single-label, and a multi-label run's bars.
 CONFUSION_PNG, WORST_PNG, F1_BARS_PNG = "confusion_matrix.png", "worst_mistakes.png", "per_label_f1.png"
+RELIABILITY_PNG = "reliability.png"  # --eval-only, single-label: confidence against accuracy, before and after T
 JOB_LOG = "job.log"
 CHECKPOINTS = "checkpoints"
 LAST, BEST = "last.pt", "best.pt"
