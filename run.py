@@ -332,8 +332,10 @@ def _train_epoch(run, epoch):
     if end.input_bound and not run.hinted:
         run.hinted = True
         run.logger.info(input_bound_hint(train["train_data_wait"], epoch, run.train_loader))
-    # A signal that came during evaluation: the epoch's checkpoint is already written.
-    if epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device):
+    # A signal that came during evaluation: the epoch's checkpoint is written first (finish: every rank).
+    # any_rank gives every rank the same answer, so all of them take this branch or none.
+    stopping = epoch + 1 < cfg.train.epochs and any_rank(stop.requested(), run.dist_info.device)
+    if stopping:
         run.saver.finish()
         _raise_stopped(stop, f"after epoch {epoch + 1}", run_state.global_step, run.run_dir, run.dist_info)
     return metrics
