@@ -453,7 +453,7 @@ class EvalSettings:
 
 @torch.no_grad()
 def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, worst_k=0, threshold=0.5,
-             tune_thresholds=False, temperature=None, keep_scores=False):
+             tune_thresholds=False, temperature=None, keep_scores=False, tta="none"):
     """Loss, accuracy, sample_metrics (top-5), confusion matrix, per-class precision/recall/F1 over the
     whole validation set, and with `worst_k` the k misclassified images of highest loss ("val_worst").
 
@@ -465,6 +465,8 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     Single-label, calibration (utils/calibration.py): ECE before and after one temperature, fitted here by
     NLL (or `temperature` as given), the rejection threshold at it, the reliability diagram's bins, and with
     `keep_scores` every image's scores ("val_scores", for eval.ood).
+
+    tta (eval.tta): "flip" averages each image's logits with its mirror image's (test-time augmentation).
 
     A multi-label dataset (`.multilabel`) gets multilabel_report's metrics instead, at `threshold`
     (one number, or one per label), or at the thresholds tuned on these scores (`tune_thresholds`).
@@ -488,7 +490,7 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     for images, labels in logger.progress_bar(loader, len(loader), "eval"):
         images, labels = _to_device(images, labels, device, channels_last, norm)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images)
+            logits = tta_forward(model, images, tta)
         if multilabel:  # kept whole: mAP and tuned thresholds need every score, not sums
             scores.add(logits, labels)
             continue
@@ -505,7 +507,7 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
         kept[1].append(labels)
     for _ in range(padding):  # results unused: only the collectives inside the forward count
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            model(images[:1])
+            tta_forward(model, images[:1], tta)  # as many forwards as a batch makes
     if multilabel:
         out = scores.report(criterion, threshold, tune_thresholds, worst_k, loader.dataset)
         out["val_seconds"] = time.perf_counter() - start
@@ -526,6 +528,18 @@ def evaluate(model, loader, device, num_classes, settings=None, *, logger=None, 
     out.update(calibration.report(logits, labels, temperature, keep_scores))  # collectives: every rank
     out["val_seconds"] = time.perf_counter() - start
     return out
+
+
+TTA_VIEWS = ("none", "flip")  # eval.tta's choices
+
+
+def tta_forward(model, images, tta="none"):
+    """The model's logits for a batch; tta="flip": the mean of the image's and its mirror image's (a second
+    forward, so FSDP's padding makes it too)."""
+    logits = model(images)
+    if tta == "flip":
+        logits = (logits + model(images.flip(-1))) / 2
+    return logits
 
 
 def _padding_forwards(model, loader):

@@ -288,7 +288,7 @@ def main(argv=None):
         # What predict_onnx.py's preprocessing follows (predict.py's, step for step).
         "channels": channels, "crop": size, "interpolation": "bilinear", "exif_orientation": True,
         "max_image_pixels": int(data_cfg["max_image_pixels"]),
-        "preprocess": f"EXIF orientation applied, {'grey (L)' if channels == 1 else 'RGB'}, resize shorter side "
+        "preprocess": f"{'grey (L)' if channels == 1 else 'RGB'}, EXIF orientation applied, resize shorter side "
                       f"to `resize` (bilinear, antialiased; a JPEG decoded at 1/2, 1/4 or 1/8 where that still "
                       f"leaves the resized size), center-crop `crop`, {FORMULA}",
     }

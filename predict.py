@@ -7,6 +7,7 @@ at or above their thresholds, and each label's probability).
     python predict.py runs/demo data/demo_flowers/daisy --cam runs/demo/cam             # + Grad-CAM overlays
     python predict.py runs/demo photo.jpg --cam cam/ --cam-class tulips                # the map of one class
     python predict.py runs/demo photos/ --reject auto        # "unknown" under the threshold keeping 95% of val
+    python predict.py runs/demo photos/ --tta flip           # each image's logits averaged with its mirror's
 
 PATH is an image, a folder (searched recursively) or a glob. The model, the
 validation transform, the class names and the channels (a grey run's images are
@@ -37,6 +38,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from data import build_transforms, is_image_file, trained_data_config
+from engine import TTA_VIEWS, tta_forward
 from model import load_trained
 # The table and the --out file are predict_onnx.py's, so that the two predictors never differ in them.
 import predict_onnx
@@ -90,9 +92,10 @@ class ImageFiles(Dataset):
 
 
 def predict(model, paths, transform, size, device, topk, batch_size, workers, max_pixels=0, mode="RGB",
-            thresholds=None, temperature=1.0, reject=0.0):
+            thresholds=None, temperature=1.0, reject=0.0, tta="none"):
     """-> (rows of (path, [(class index, prob), ...]), [(path, why), ...] unreadable). mode: RGB or L (grey).
-    Probabilities are softmax(logits / temperature); a top probability under `reject` makes the row
+    tta="flip": each image's logits averaged with its mirror image's (engine.tta_forward, as --eval-only's
+    eval.tta). Probabilities are softmax(logits / temperature); a top probability under `reject` makes the row
     [(-1, prob)]: "unknown". thresholds (multi-label, one per label): each row is (path, [(label index, prob)
     of the labels at or above their threshold, most probable first], every label's prob)."""
     files = ImageFiles(paths, transform, size, max_pixels, mode)
@@ -101,7 +104,7 @@ def predict(model, paths, transform, size, device, topk, batch_size, workers, ma
     rows, bad = [], []
     with torch.inference_mode():
         for images, index, errors in loader:
-            logits = model(model_input(images, device, norm)).float()
+            logits = tta_forward(model, model_input(images, device, norm), tta).float()
             # float64 softmax, as predict_onnx.py's: a small temperature leaves float32 little room under 1.
             probs = logits.sigmoid() if thresholds is not None else (logits.double() / temperature).softmax(dim=1)
             top = probs.topk(topk if thresholds is None else probs.shape[1], dim=1)
@@ -163,12 +166,16 @@ def main(argv=None):
     ap.add_argument("--cam-class", metavar="NAME", help="--cam's class (default: each image's top class)")
     ap.add_argument("--reject", metavar="auto|P", help='answer "unknown" when the calibrated top probability is '
                     "under P; auto: the checkpoint's threshold, which keeps 95%% of validation images")
+    ap.add_argument("--tta", default="none", help="test-time augmentation: none, or flip (the mean of the "
+                    "image's and its mirror image's logits)")
     args = ap.parse_args(argv)
     # Everything a user can get wrong is checked before the model is loaded or an image decoded.
     if args.out and Path(args.out).suffix.lower() not in (".csv", ".json"):
         raise UserError(f"--out '{args.out}' must end in .csv or .json")
     if args.topk < 1 or args.batch_size < 1:
         raise UserError("--topk and --batch-size must be at least 1")
+    if args.tta not in TTA_VIEWS:
+        raise UserError(f"--tta '{args.tta}': choose {' or '.join(TTA_VIEWS)}")
     if args.cam_class and not args.cam:
         raise UserError("--cam-class needs --cam DIR (where the overlays go)")
     try:  # checked before the model is loaded
@@ -208,7 +215,7 @@ def main(argv=None):
     try:
         rows, bad = predict(model.to(device), paths, transform, size, device, topk, args.batch_size, workers,
                             int(data_cfg["max_image_pixels"]), mode=MODES[channels], thresholds=thresholds,
-                            temperature=getattr(model, "temperature", 1.0), reject=reject or 0.0)
+                            temperature=getattr(model, "temperature", 1.0), reject=reject or 0.0, tta=args.tta)
     except OUT_OF_MEMORY as e:
         raise UserError(f"out of memory on {device} at --batch-size {args.batch_size}{allocation(e)}: try "
                         f"--batch-size {max(1, args.batch_size // 2)}", RUNTIME_EXIT) from e

@@ -3,12 +3,14 @@
     python export.py runs/demo --format onnx                                    # -> best.onnx + best.onnx.json
     python predict_onnx.py runs/demo/checkpoints/best.onnx data/demo_flowers/daisy
     python predict_onnx.py model.onnx photo.jpg 'more/**/*.png' --topk 3 --out preds.json
+    python predict_onnx.py model.onnx photos/ --reject auto    # "unknown" under the sidecar's threshold
 
 It needs onnxruntime, numpy and Pillow only (pip install onnxruntime numpy pillow), and reads the model's
 sidecar (<model>.onnx.json, written by export.py) for everything around the network: the classes, the
 preprocessing (EXIF orientation, grey or RGB, the resize of the shorter side with a JPEG decoded only as
 large as needed, the centre crop, mean and std), the activation (softmax, or sigmoid with each label's
-threshold), and the temperature that calibrates the probabilities. Its pixels, table and --out file
+threshold), and the temperature that calibrates the probabilities (--reject auto|P answers "unknown"
+where the top one is under the sidecar's reject_threshold, or P). Its pixels, table and --out file
 (.csv or .json, default predictions_onnx.csv beside the model) are predict.py's, column for column:
 predict.py writes them through this file's functions. An unreadable file is warned about, listed and
 skipped; the exit is non-zero only when no image can be read. A mistake on the command line is one

@@ -547,7 +547,13 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     val.pop("val_seconds")
     val.pop("val_pr", None)
     known = val.pop("val_scores", None)
-    ood = None
+    ood = tta = None
+    if cfg.eval.tta != "none":  # the same images again, each with its views averaged (every rank)
+        again = evaluate(model, val_loader, device, len(classes), settings, threshold=thresholds or cfg.eval.threshold,
+                         tune_thresholds=cfg.eval.tune_thresholds, temperature=val.get("val_temperature"),
+                         tta=cfg.eval.tta)
+        tta = {"views": cfg.eval.tta, **{k: again[k] for k in ("val_acc", "val_loss", "val_macro_f1", "val_map",
+                                                                "val_ece", "val_ece_calibrated") if k in again}}
     if not multilabel:
         val["temperature_from"] = "checkpoint" if temperature is not None else "fitted here"
         if cfg.eval.ood:  # every rank: the scores are gathered
@@ -565,7 +571,7 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
     split = getattr(val_loader.dataset, "split", "val")
     result = {"checkpoint": source, "split": split, "classes": list(classes), "best_metric": metric,
               **profiling.model_cost(net, cfg.data.img_size, cfg.data.channels), **val,
-              **({"ood": ood} if ood is not None else {})}
+              **({"ood": ood} if ood is not None else {}), **({"tta": tta} if tta is not None else {})}
     if dist_info.rank == 0:
         if multilabel:
             figures.save_png(figures.f1_bars_image(val["val_f1"], classes), run_dir / run_files.F1_BARS_PNG)
@@ -590,6 +596,9 @@ def evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_pa
         if not multilabel:
             print(f"calibration: ECE {val['val_ece']:.4f} -> {val['val_ece_calibrated']:.4f} at temperature "
                   f"{val['val_temperature']:.3f} ({val['temperature_from']})", flush=True)
+        if tta is not None:
+            key = "val_map" if multilabel else "val_acc"
+            print(f"tta ({tta['views']}): {key} {val[key]:.4f} -> {tta[key]:.4f}", flush=True)
         if ood is not None:
             mp, en = ood["max_prob"], ood["energy"]
             print(f"ood: {ood['images']} images of no class vs {ood['known_images']} of {split}: max-prob AUROC "

@@ -121,7 +121,7 @@ def judged(trained_run, tmp_path_factory):
     noise = write_noise(root / "noise")
     best = trained_run["run_dir"] / "checkpoints" / "best.pt"
     args = [str(a) for a in (*trained_run["base"], "--data-path", root / "split", "--eval-only", "--resume", best,
-                             "--output-dir", root / "out", "--ood", noise)]
+                             "--output-dir", root / "out", "--ood", noise, "eval.tta=flip")]
     with single_thread(), pytest.MonkeyPatch.context() as monkeypatch:
         assert run_main(train, args, monkeypatch) == 0
     result = {**json.loads((root / "out" / "eval.json").read_text()), "picture": root / "out" / "reliability.png"}
@@ -130,10 +130,12 @@ def judged(trained_run, tmp_path_factory):
     norm = normalization.normalization_of(transform, "cpu")
     paths = sorted((root / "split" / "val").glob("*/*.jpg"))
     with torch.no_grad():
-        def logits_of(files):
+        def logits_of(files, flip=False):
             x = torch.stack([load_image(p, transform) for p in files])
+            x = x.flip(-1) if flip else x
             return model(normalization.model_input(x, torch.device("cpu"), norm)).double()
         val_logits, noise_logits = logits_of(paths), logits_of(sorted(noise.iterdir()))
+        result["mirror_logits"] = logits_of(paths, flip=True)  # for eval.tta=flip
     state = torch.load(best, map_location="cpu", weights_only=True)
     labels = torch.tensor([classes.index(p.parent.name) for p in paths])
     return result, paths, labels, val_logits, noise_logits, state["temperature"], state["reject_threshold"]
@@ -173,6 +175,24 @@ def test_eval_only_scores_images_of_no_class_against_val(judged):
     conf = (unknown / t).softmax(1).max(1).values
     assert ood["max_prob"]["reject_threshold"] == reject
     assert ood["max_prob"]["rejected"] == pytest.approx((conf < reject).double().mean().item())
+
+
+@pytest.mark.slow
+def test_test_time_augmentation_averages_each_image_with_its_mirror(judged, trained_run, tmp_path):
+    """eval.tta=flip: eval.json's "tta" holds the accuracy and loss of the logits averaged with the mirror
+    image's, beside those without; predict.py --tta flip prints the same average's probabilities."""
+    result, paths, labels, logits, _, t, _ = judged
+    mean = (logits + result["mirror_logits"]) / 2
+    tta = result["tta"]
+    assert tta["views"] == "flip" and tta["val_acc"] == (mean.argmax(1) == labels).double().mean().item()
+    assert tta["val_loss"] == pytest.approx(F.cross_entropy(mean, labels).item(), rel=1e-5)
+    assert result["val_loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert tta["val_loss"] != pytest.approx(result["val_loss"], rel=1e-3)  # the views do change the numbers
+    out = tmp_path / "tta.csv"
+    proc = run_entry("predict.py", trained_run["run_dir"], *paths[:10], "--device", "cpu", "--out", out, "--tta", "flip")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    probs = (mean[:10] / t).softmax(1).max(1).values
+    assert [float(r["prob1"]) for r in csv.DictReader(out.open())] == pytest.approx(probs.tolist(), abs=2e-6)
 
 
 @pytest.mark.slow

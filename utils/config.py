@@ -140,6 +140,7 @@ class DDPConfig:
 class EvalConfig:
     threshold: float = MISSING
     tune_thresholds: bool = MISSING
+    tta: str = MISSING
     ood: str = MISSING
 
 
@@ -183,6 +184,7 @@ CHOICES = {
     "data.sampler": ("shuffle", "balanced"),
     "data.task": ("auto", "single", "multi"),
     "data.channels": (1, 3),
+    "eval.tta": ("none", "flip"),
     "ddp.backend": ("auto", "nccl", "gloo"),
     "train.profile_ranks": ("0", "all"),
 }
