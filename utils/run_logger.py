@@ -78,12 +78,15 @@ class Background:
     """One thread that runs the jobs it is given, one at a time, in the order given: the epoch's checkpoint
     write (utils/checkpoint.py), its metrics.jsonl line, TensorBoard's writes and the epoch's pictures,
     beside the next epoch. later() returns a threading.Event, set when the job is done or dropped. After
-    a job fails, the jobs given after it are dropped (so a metrics line never outruns its checkpoint)
-    until its error is taken: by the checkpoint's vote (take_error) or at close. A job given on the
+    a job fails, the jobs given after it and before its error is taken (by the checkpoint's vote,
+    take_error, or at close) are dropped: a metrics line never outruns its checkpoint. A job given on the
     thread itself runs at once."""
 
     def __init__(self):
         self._jobs, self.error = queue.Queue(), None
+        # A job failed in generation g: the rest of g is dropped, even once its error is taken (take_error
+        # starts a new one), so that what followed a failed checkpoint never lands whatever the timing.
+        self._generation, self._failed = 0, None
         self._thread = threading.Thread(target=self._work, name="run-logger", daemon=True)
         self._thread.start()
 
@@ -93,12 +96,12 @@ class Background:
             if job is None:
                 self._jobs.task_done()
                 return
-            fn, args, done = job
+            fn, args, done, generation = job
             try:
-                if self.error is None:
+                if generation != self._failed:
                     fn(*args)
             except BaseException as e:  # noqa: BLE001 - taken on the caller's thread
-                self.error = e
+                self.error, self._failed = e, generation
             finally:
                 done.set()
                 self._jobs.task_done()
@@ -109,7 +112,7 @@ class Background:
             fn(*args)
             done.set()
         else:
-            self._jobs.put((fn, args, done))
+            self._jobs.put((fn, args, done, self._generation))
         return done
 
     def wait(self):
@@ -118,6 +121,8 @@ class Background:
 
     def take_error(self):
         error, self.error = self.error, None
+        if error is not None:
+            self._generation += 1
         return error
 
     def close(self):
