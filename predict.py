@@ -27,7 +27,6 @@ when no image can be read.
 its Grad-CAM map (utils/cam.py) for the top class, or for --cam-class NAME; a multi-label model gets one
 per predicted label. The target layer is the family's (utils/cam.py) or the run's model.cam_layer.
 """
-import glob
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from data import build_transforms, is_image_file, trained_data_config
+from data import build_transforms, trained_data_config
 from engine import TTA_VIEWS, tta_forward
 from model import load_trained
 # The table and the --out file are predict_onnx.py's, so that the two predictors never differ in them.
@@ -51,29 +50,6 @@ from utils.distributed_utils import resolve_device
 from utils.errors import OUT_OF_MEMORY, RUNTIME_EXIT, UserError, allocation
 from utils.figures import image_grid, save_png
 from utils.normalization import denormalize, mean_std, model_input, normalization_of
-
-def find_images(specs):
-    """Image paths for each PATH argument, in order, each once; a PATH that yields none is an error."""
-    found, seen = [], set()
-    for spec in specs:
-        path = Path(spec)
-        if path.is_dir():
-            hits = [str(Path(d) / f) for d, dirs, files in sorted(os.walk(path, followlinks=True))
-                    for f in sorted(files) if is_image_file(f)]
-            if not hits:
-                raise UserError(f"folder '{spec}' holds no images (.jpg/.jpeg/.png/...)")
-        elif path.is_file():
-            hits = [str(path)]  # named explicitly: decoding decides
-        else:
-            hits = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p) and is_image_file(p))
-            if not hits:
-                raise UserError(f"'{spec}' is no file or folder, and as a glob it matches no image")
-        for p in hits:
-            if p not in seen:
-                seen.add(p)
-                found.append(p)
-    return found
-
 
 class ImageFiles(Dataset):
     """path -> (tensor, index, error text); an unreadable file gives a blank image and its error."""
@@ -199,7 +175,10 @@ def main(argv=None):
         target = find_target(model, (config.get("model") or {}).get("cam_layer"))
         if Path(args.cam).exists() and not Path(args.cam).is_dir():
             raise UserError(f"--cam '{args.cam}' is a file, not a folder")
-    paths = find_images(args.paths)
+    try:
+        paths = predict_onnx.find_images(args.paths)  # predict_onnx.py's rule, so both read the same files
+    except predict_onnx.UserError as e:
+        raise UserError(str(e)) from None
     out = Path(args.out) if args.out else run_files.run_of(ckpt_path) / run_files.PREDICTIONS
     if not out.parent.is_dir():
         raise UserError(f"--out '{out}': folder '{out.parent}' does not exist")
