@@ -25,6 +25,7 @@ import torch
 from engine import EpochHooks, EvalSettings, Step, build_step, compute_settings, evaluate, is_multilabel, \
     sample_metrics, seed_for, train_one_epoch
 from data import make_loader, unlabelled_set
+import linear_probe
 from utils import calibration
 from utils import checkpoint as ckpt
 from utils import figures, fsdp, param_groups, profiling, run_record
@@ -95,6 +96,9 @@ def _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name):
     resume_path, state = ckpt.agree_resume(cfg.resume, run_dir, restarted, dist_info.rank)
     if cfg.eval_only:
         return evaluate_only(cfg, model, val_loader, classes, dist_info, run_dir, resume_path, state)
+    if cfg.train.linear_probe:  # a path of its own, read top to bottom in linear_probe.py
+        return _linear_probe(cfg, model, train_loader, val_loader, classes, dist_info, run_dir,
+                             resumed=resume_path is not None or restarted)
     step, layout = build_step(cfg, model, train_loader, classes, dist_info)  # refuses what the data refutes
     multilabel = is_multilabel(train_loader)
     names = best_metric_names(multilabel, len(classes), ema=step.ema is not None)
@@ -151,6 +155,35 @@ def _fit(cfg, model, train_loader, val_loader, classes, dist_info, script_name):
         logger.close()
     return {best_key(run_state.best_metric): run_state.best_score, "best_metric": run_state.best_metric,
             "best_epoch": run_state.best_epoch, "early_stop": early_stop, "run_dir": str(run_dir), "last": metrics}
+
+
+def _linear_probe(cfg, model, train_loader, val_loader, classes, dist_info, run_dir, resumed):
+    """train.linear_probe: the run directory, its logs and record around linear_probe.probe, which encodes
+    (or reads) the features, trains one head per optim.lr and writes best.pt and last.pt."""
+    multilabel = is_multilabel(val_loader)
+    metric, mode = resolve_best(cfg.train, multilabel, linear_probe.METRICS[multilabel])  # before any work
+    if dist_info.rank == 0:
+        check_run_dir(run_dir, resuming=resumed or cfg.resume == "auto")
+        check_writable(run_dir)
+    record = run_record.collect(cfg.data, {"train": train_loader.dataset, "val": val_loader.dataset}, classes,
+                                dist_info)
+    run_state = ckpt.RunState(multilabel=multilabel, best_metric=metric, best_mode=mode)
+    logger = RunLogger(run_dir, enabled=dist_info.rank == 0, resuming=resumed or cfg.resume == "auto")
+    try:
+        logger.write_config(cfg)
+        logger.write_json(run_files.CLASSES, {str(i): c for i, c in enumerate(classes)})
+        logger.write_json(run_files.RECORD, record)
+        logger.info(f"run directory: {run_dir}")
+        logger.info(f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val images, {len(classes)} "
+                    f"classes, {dist_info.world_size} process(es) on {dist_info.device}, linear probe of "
+                    f"{cfg.model.name}, lr {cfg.optim.lr}")
+        linear_probe.probe(cfg, model, train_loader, val_loader, classes, dist_info, run_dir, logger, run_state,
+                           resumed, record)
+        logger.info(done_lines(run_dir, run_state, dist_info))
+    finally:
+        logger.close()
+    return {best_key(metric): run_state.best_score, "best_metric": metric, "best_epoch": run_state.best_epoch,
+            "early_stop": False, "run_dir": str(run_dir), "last": {}}
 
 
 def _restore(cfg, state, step, layout, classes, dist_info):

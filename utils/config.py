@@ -82,7 +82,7 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     name: str = MISSING
-    lr: float = MISSING
+    lr: Any = MISSING  # a number; with train.linear_probe a list of them (checked in _check_ranges)
     lrf: float = MISSING
     momentum: float = MISSING
     weight_decay: float = MISSING
@@ -123,6 +123,8 @@ class TrainConfig:
     teacher: Optional[str] = MISSING
     kd_alpha: float = MISSING
     kd_temperature: float = MISSING
+    linear_probe: bool = MISSING
+    feature_cache: Optional[str] = MISSING
 
 
 @dataclass
@@ -295,8 +297,13 @@ def _check_ranges(cfg):
         bad("data.min_crop_scale", f"{cfg.data.min_crop_scale}; must be in (0, 1]")
     if cfg.data.img_size < 16 or cfg.data.val_resize < cfg.data.img_size:
         bad("data.img_size", "img_size must be >= 16 and val_resize >= img_size")
-    if cfg.optim.lr <= 0 or cfg.optim.lrf <= 0:
+    if OmegaConf.is_list(cfg.optim.lr) and not cfg.train.linear_probe:
+        bad("optim.lr", f"{list(cfg.optim.lr)}; a list trains one head per lr with train.linear_probe=true; "
+                        "give one lr")
+    if not all(lr > 0 for lr in learning_rates(cfg.optim)) or cfg.optim.lrf <= 0:
         bad("optim.lr", "lr and lrf must be positive")
+    if cfg.train.linear_probe:
+        _check_probe(cfg)
     if cfg.optim.warmup_epochs < 0 or cfg.optim.warmup_epochs > cfg.train.epochs:
         bad("optim.warmup_epochs", f"{cfg.optim.warmup_epochs}; must be between 0 and train.epochs")
     if cfg.train.log_every < 1:
@@ -383,6 +390,36 @@ def _check_ranges(cfg):
         check(cfg)
 
 
+def learning_rates(optim_cfg):
+    """optim.lr as a list: [lr], or train.linear_probe's several (one head each)."""
+    return list(optim_cfg.lr) if OmegaConf.is_list(optim_cfg.lr) else [optim_cfg.lr]
+
+
+def _as_lr(value):
+    """An optim.lr value as a float: YAML reads 1e-3 (no dot) as text, which a float field would convert."""
+    try:
+        return float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        return None
+
+
+# The linear probe trains a head on features encoded once without augmentation: these keys, set
+# otherwise than to this value, have no meaning there and are refused by name.
+PROBE_OFF = {"train.teacher": None, "train.unfreeze_at": 0, "train.ema_decay": 0.0, "data.mixup_alpha": 0.0,
+             "data.cutmix_alpha": 0.0, "data.sampler": "shuffle", "optim.head_lr_scale": 1.0,
+             "optim.layer_decay": 1.0, "model.drop_path": 0.0, "train.accum_steps": 1, "train.global_batch": 0,
+             "train.save_every_steps": 0, "train.compile": False, "model.activation_checkpointing": False,
+             "train.profile": 0}
+
+
+def _check_probe(cfg):
+    for key, off in PROBE_OFF.items():
+        value = OmegaConf.select(cfg, key)
+        if value != off:
+            raise UserError(f"{key}={value} does not apply to train.linear_probe=true (a head trained on features "
+                            f"encoded once, without augmentation); set it to {off} or train.linear_probe=false")
+
+
 def _take_local_rank(local_rank):
     """--local-rank N: the old launcher's way of naming this process's GPU. LOCAL_RANK from the
     environment (which that launcher sets too, as torchrun does) wins; else it becomes LOCAL_RANK."""
@@ -439,6 +476,11 @@ def _load_config(argv, description):
     # which the str field then holds as "False"; both spellings mean no autocast.
     if cfg.train.amp == "False":
         cfg.train.amp = "off"
+    lrs = [_as_lr(v) for v in learning_rates(cfg.optim)]
+    if None in lrs or not lrs:
+        raise UserError(f"bad value for 'optim.lr': {cfg.optim.lr}; a number"
+                        + (" or a list of numbers (train.linear_probe)" if cfg.train.linear_probe else ""))
+    cfg.optim.lr = lrs if OmegaConf.is_list(cfg.optim.lr) else lrs[0]
     _check_ranges(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

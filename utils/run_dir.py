@@ -10,6 +10,7 @@ tools/, benchmarks/, the tests) take their paths from here.
     RUN/job.log              a kfold fold's or sweep trial's output (utils/jobs.py)
     RUN/events.out.tfevents.* TensorBoard
     RUN/checkpoints/last.pt, best.pt, epoch_NNN.pt (train.keep_last), sharded-*/ (FSDP)
+    RUN/features/train.pt, val.pt  the linear probe's cached features (linear_probe.py; or train.feature_cache)
 """
 import json
 from pathlib import Path
@@ -27,10 +28,16 @@ RELIABILITY_PNG = "reliability.png"  # --eval-only, single-label: confidence aga
 JOB_LOG = "job.log"
 CHECKPOINTS = "checkpoints"
 LAST, BEST = "last.pt", "best.pt"
+FEATURES = "features"
 
 
 def checkpoints(run_dir):
     return Path(run_dir) / CHECKPOINTS
+
+
+def features(run_dir, cache=None):
+    """The linear probe's feature folder: train.feature_cache, else RUN/features."""
+    return Path(cache) if cache else Path(run_dir) / FEATURES
 
 
 def last(run_dir):
