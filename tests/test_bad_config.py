@@ -91,6 +91,16 @@ CASES = {
     "compile_with_activation_checkpointing": (
         lambda e: ["--output-dir", e["base"] / "unborn", "train.compile=true", "model.activation_checkpointing=true"],
         2, "train.compile=true cannot compile model.activation_checkpointing=true's blocks"),
+    # train.linear_probe: a key without meaning for it is named, before the run directory is touched.
+    "probe_with_mixup": (lambda e: ["train.linear_probe=true", "data.mixup_alpha=0.2"], 2,
+                         "data.mixup_alpha=0.2 does not apply to train.linear_probe=true"),
+    "probe_with_teacher": (lambda e: ["train.linear_probe=true", f"train.teacher={e['run']}"], 2,
+                           "train.teacher="),
+    "lr_list_without_probe": (lambda e: ["optim.lr=[0.01,0.1]"], 2, "a list trains one head per lr with "
+                              "train.linear_probe=true"),
+    "probe_best_metric": (lambda e: ["--output-dir", e["base"] / "unborn", "train.linear_probe=true",
+                                     "train.best_metric=val_macro_f1"], 2,
+                          "train.best_metric=val_macro_f1 is not a metric of this run; choose one of val_acc, val_loss"),
     "class_weights_count": (lambda e: ["--output-dir", e["base"] / "unborn", "optim.class_weights=[1,2,3]"], 2,
                             "optim.class_weights has 3 weights, the data has 5 classes"),
 }
