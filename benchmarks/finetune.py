@@ -19,6 +19,9 @@ one OpenMP thread, except what its row names:
   layer decay 0.75    ... optim.head_lr_scale=10 optim.layer_decay=0.75
   unfreeze at 1/4     ... optim.head_lr_scale=10 train.unfreeze_at=E/4 train.unfreeze_warmup=E/4
   frozen body         ... model.freeze_layers=true (only the head trains)
+  linear probe        ... train.linear_probe=true, five heads (lr 1e-3 to 1e-1) for 100 epochs on the cached
+                      features, no weight decay, no warm-up; its val_acc is the kept head's (best.pt: the best
+                      (lr, epoch) on val, as DINOv2's linear evaluation reports)
   student alone       timm/resnet10t from scratch (4.9M parameters)
   student + teacher   the same, train.teacher= the full fine-tune of that seed (resnet18), kd_alpha 0.9, T 4
 
@@ -36,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repository's modules: this file runs as a script
 import torch  # noqa: E402
@@ -44,7 +49,10 @@ from benchmarks.init import IMG_SIZE, VAL_RESIZE, _build, _digits, _scan  # noqa
 from utils import run_dir as run_files  # noqa: E402
 
 ARMS = ("scratch", "full fine-tune", "head lr x10", "layer decay 0.75", "unfreeze at 1/4", "frozen body",
-        "student alone", "student + teacher")
+        "linear probe", "student alone", "student + teacher")
+PROBE_EPOCHS = 100  # over cached features: seconds
+PROBE = ["train.linear_probe=true", "optim.lr=[0.001,0.003,0.01,0.03,0.1]", "optim.weight_decay=0",
+         "optim.warmup_epochs=0", f"train.epochs={PROBE_EPOCHS}"]
 
 
 def parse_args(argv=None):
@@ -104,8 +112,15 @@ def command(root, out, seed, epochs, extra=()):
             "optim.warmup_epochs=1", f"train.seed={seed}", "train.figures=false", *extra]
 
 
+def score(out):
+    """A run's number: its last epoch's val_acc; a linear probe's, its kept head's (best.pt)."""
+    if yaml.safe_load((out / run_files.CONFIG).read_text())["train"].get("linear_probe"):
+        return torch.load(run_files.best(out), map_location="cpu", weights_only=False)["best_score"]
+    return run_files.read_metrics(out, epochs_only=True)[-1]["val_acc"]
+
+
 def train(cmd, log, threads):
-    """One train.py process -> (its last val_acc, wall seconds); its output goes to `log`."""
+    """One train.py process -> (its score, wall seconds); its output goes to `log`."""
     start = time.perf_counter()
     with open(log, "w") as f:
         done = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
@@ -113,7 +128,7 @@ def train(cmd, log, threads):
     if done.returncode:
         raise SystemExit(f"error: train.py exited {done.returncode}; see {log}")
     out = Path(cmd[cmd.index("--output-dir") + 1])
-    return run_files.read_metrics(out, epochs_only=True)[-1]["val_acc"], time.perf_counter() - start
+    return score(out), time.perf_counter() - start
 
 
 # The student: timm's resnet10t (4.9M parameters, resnet18 11.2M). mobilenet_v3_small at 32 px evaluates to one
@@ -131,6 +146,7 @@ def arm_args(arm, pretrained, epochs, teacher):
             "unfreeze at 1/4": tuned + ["optim.head_lr_scale=10", f"train.unfreeze_at={quarter}",
                                         f"train.unfreeze_warmup={quarter}"] if epochs > 1 else tuned,
             "frozen body": tuned + ["model.freeze_layers=true"],
+            "linear probe": tuned + PROBE,
             "student alone": STUDENT,
             "student + teacher": STUDENT + [f"train.teacher={teacher}", "train.kd_alpha=0.9",
                                             "train.kd_temperature=4"]}[arm]
@@ -154,8 +170,9 @@ def measure(args, pre_root, task_root):
             teacher = out_dir / f"full_fine-tune-seed{seed}"
             cmd = command(task_root, out_dir / name, seed, args.epochs, arm_args(arm, pretrained, args.epochs, teacher))
             done = run_files.read_metrics(out_dir / name, epochs_only=True)
-            if len(done) == args.epochs and (out_dir / name / run_files.CONFIG).is_file():  # a finished run: kept
-                acc, seconds = done[-1]["val_acc"], sum(row["epoch_seconds"] for row in done)
+            epochs = PROBE_EPOCHS if arm == "linear probe" else args.epochs
+            if len(done) == epochs and run_files.best(out_dir / name).is_file():  # a finished run: kept
+                acc, seconds = score(out_dir / name), sum(row["epoch_seconds"] for row in done)
             else:
                 shutil.rmtree(out_dir / name, ignore_errors=True)
                 acc, seconds = train(cmd, out_dir / f"{name}.log", args.threads)
