@@ -31,6 +31,7 @@ import copy
 import hashlib
 import json
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -79,7 +80,7 @@ def probe(cfg, model, train_loader, val_loader, classes, dist_info, run_dir, log
 
     # -- 2. heads: one per lr, trained together on the cached train features --
     lrs = learning_rates(cfg.optim)
-    heads, history, best = _train_heads(cfg, head, features, lrs, settings, dist_info, logger, run_state)
+    heads, best = _train_heads(cfg, head, features, lrs, settings, dist_info, logger, run_state)
 
     # -- 3. the kept head into the network; scored once more on val (every rank: its shard); saved --
     k, epoch, weight, bias = best
@@ -99,7 +100,8 @@ def probe(cfg, model, train_loader, val_loader, classes, dist_info, run_dir, log
     if dist_info.rank == 0:
         optimizer, scheduler = heads
         state = ckpt.make_state(net, optimizer, scheduler, build_scaler(None, device), run_state, config_to_dict(cfg),
-                                classes, record={**record, "linear_probe": {"lrs": lrs, "kept_lr": lrs[k], "epoch": epoch}})
+                                classes, record={**record, "linear_probe": {"lrs": lrs, "kept_lr": lrs[k],
+                                                                            "epoch": epoch}})
         ckpt.save_checkpoint(state, run_files.checkpoints(run_dir), is_best=True)
     return run_state
 
@@ -146,7 +148,8 @@ def _features(split, dataset, net, head_name, head, cfg, classes, settings, dist
 def _encode(net, head, loader, device, settings, logger, split):
     """This rank's shard: (dataset indices, the head's inputs (n, D) float32, labels), on the CPU."""
     captured, labels = [], []
-    hook = head.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0].float().flatten(1).cpu()))
+    hook = head.register_forward_hook(
+        lambda module, inputs, output: captured.append(inputs[0].float().flatten(1).cpu()))
     net.eval()
     norm = normalization_of(loader.dataset, device)
     try:
@@ -193,16 +196,17 @@ def _read_cache(path, digest):
 
 def _train_heads(cfg, head, features, lrs, settings, dist_info, logger, run_state):
     """Train one copy of `head` per lr on the train features; each epoch score all on val. Returns
-    ((optimizer, scheduler), history, (head k, epoch, weight, bias) of the best score)."""
+    ((optimizer, scheduler), (head k, epoch, weight, bias) of the best score)."""
     device, criterion, multilabel = dist_info.device, settings.criterion, run_state.multilabel
     x, y = features["train"]["features"].to(device), features["train"]["labels"].to(device)
     vx, vy = features["val"]["features"].to(device), features["val"]["labels"].to(device)
     weights = [nn.Parameter(head.weight.detach().clone()) for _ in lrs]  # (C, D) each
-    biases = [nn.Parameter(head.bias.detach().clone() if head.bias is not None else
-                           torch.zeros(head.out_features, device=device)) for _ in lrs]
+    biases = [nn.Parameter(head.bias.detach().clone() if head.bias is not None else  # a head without one: 0, kept
+                           torch.zeros(head.out_features, device=device), requires_grad=head.bias is not None)
+              for _ in lrs]
     decay = cfg.optim.weight_decay
-    groups = [{"params": [w], "lr": scaled_lr(_One(lr, cfg.optim.scale_lr), dist_info.world_size),
-               "weight_decay": decay} for w, lr in zip(weights, lrs)]
+    peaks = [scaled_lr(SimpleNamespace(lr=lr, scale_lr=cfg.optim.scale_lr), dist_info.world_size) for lr in lrs]
+    groups = [{"params": [w], "lr": peak, "weight_decay": decay} for w, peak in zip(weights, peaks)]
     groups += [{"params": [b], "lr": g["lr"], "weight_decay": decay if cfg.optim.name == "sgd" else 0.0}
                for b, g in zip(biases, groups)]  # adamw: no decay on biases, as build_optimizer
     optimizer = torch.optim.SGD(groups, momentum=cfg.optim.momentum) if cfg.optim.name == "sgd" else \
@@ -210,7 +214,7 @@ def _train_heads(cfg, head, features, lrs, settings, dist_info, logger, run_stat
     batch = cfg.train.batch_size * dist_info.world_size  # the run's global batch: scale_lr's
     steps = max(len(x) // batch, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine.for_run(cfg.optim, cfg.train.epochs, steps))
-    history, best = [], None
+    best = None
     for epoch in range(cfg.train.epochs):
         start = time.perf_counter()
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed_for(cfg.train.seed, epoch, 0)))
@@ -236,19 +240,11 @@ def _train_heads(cfg, head, features, lrs, settings, dist_info, logger, run_stat
                 "probe_train_loss": [v / steps for v in loss_sum.tolist()],
                 **{f"probe_{m}": [s[m] for s in scores] for m in scores[0]},
                 f"best_{run_state.best_metric[4:]}": best[0], "epoch_seconds": time.perf_counter() - start}
-        history.append(line)
         logger.epoch(line)
         logger.info(f"epoch {epoch + 1}/{cfg.train.epochs}  " + "  ".join(
             f"lr {lr:g}: " + " ".join(f"{m} {s[m]:.4f}" for m in s) for lr, s in zip(lrs, scores)))
     _, k, epoch, weight, bias = best
-    return (optimizer, scheduler), history, (k, epoch, weight, bias)
-
-
-class _One:
-    """One lr of optim.lr's list, as utils/optim.py's scaled_lr reads a config."""
-
-    def __init__(self, lr, scale_lr):
-        self.lr, self.scale_lr = lr, scale_lr
+    return (optimizer, scheduler), (k, epoch, weight, bias)
 
 
 def _heads_forward(x, weights, biases):

@@ -173,6 +173,8 @@ def _linear_probe(cfg, model, train_loader, val_loader, classes, dist_info, run_
         logger.write_config(cfg)
         logger.write_json(run_files.CLASSES, {str(i): c for i, c in enumerate(classes)})
         logger.write_json(run_files.RECORD, record)
+        if not resumed:  # the config beside the headline numbers in TensorBoard's HParams (a sweep's view)
+            logger.hparams(config_to_dict(cfg), [scalar_tag(best_key(metric)), "val/loss", "train/loss"])
         logger.info(f"run directory: {run_dir}")
         logger.info(f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val images, {len(classes)} "
                     f"classes, {dist_info.world_size} process(es) on {dist_info.device}, linear probe of "

@@ -4,7 +4,8 @@
 
 One torchrun run (2 gloo processes, three lrs) encodes each image once and keeps the best head on val;
 train.py resumes it from the cache (at another world size: the features do not depend on it) and keeps
-the best of its own grid; --eval-only scores that checkpoint as the probe did. The refusals are in tests/test_bad_config.py.
+the best of its own grid; --eval-only scores that checkpoint as the probe did. The refusals are in
+tests/test_bad_config.py.
 """
 import json
 import re
