@@ -74,3 +74,30 @@ def test_probe_encodes_each_image_once_under_ddp_resumes_from_its_cache_and_keep
     report = json.loads((out / run_files.EVAL).read_text())
     assert report["val_acc"] == val_acc
     assert report["val_loss"] == pytest.approx(val_loss, abs=1e-4)
+
+
+def test_the_cache_digest_follows_the_body_transform_and_images_not_the_head(tmp_path):
+    """A stale cache is never read: its digest changes with a body tensor, the image size and the split's
+    images, and not with the head (a sweep's trials differ in the head's seed and settings only)."""
+    from data import build_datasets
+    from linear_probe import feature_digest
+    from model import create_model
+    from utils.config import load_config
+
+    def digest(net, root, *extra):
+        cfg = load_config([*FAST_ARGS, "--data-path", str(root), *extra])
+        _, val_set, classes = build_datasets(cfg.data)
+        return feature_digest(net, "fc", cfg, val_set, classes, "val", None)
+
+    root, fewer = make_image_folder(tmp_path / "a"), make_image_folder(tmp_path / "b", per_class=11)
+    torch.manual_seed(0)
+    net = create_model("resnet18", num_classes=5)
+    before = digest(net, root)
+    with torch.no_grad():
+        net.fc.weight.add_(1.0)
+    assert digest(net, root) == before
+    assert digest(net, root, "data.img_size=48", "data.val_resize=52") != before
+    assert digest(net, fewer) != before
+    with torch.no_grad():
+        net.layer4[1].bn2.running_var[0] += 1e-3
+    assert digest(net, root) != before
