@@ -84,6 +84,7 @@ class TorchModel:
 
     def load(self):
         # torch is imported here only: an .onnx model is served without it.
+        import predict  # noqa: F401 - imported now, not by the first request
         from data import build_transforms, trained_data_config
         from model import load_trained
         from utils.cam import find_target

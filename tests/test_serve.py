@@ -13,7 +13,7 @@ and the overlay for an uploaded image.
 
 The screenshot of docs/after-training.md is this file's browser step on the demo run:
 
-    python tests/test_serve.py runs/demo data/demo_flowers/daisy/daisy_0003.jpg docs/serve-page.png
+    python tests/test_serve.py runs/demo data/demo_flowers/roses/roses_0089.jpg docs/serve-page.png
 """
 import base64
 import json
