@@ -224,19 +224,32 @@ def browser():
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
+# The file chosen in the page's input, dropped on its drop zone as a dragged file is (a DataTransfer holding it).
+DROP = """const file = document.getElementById("file").files[0], moved = new DataTransfer();
+moved.items.add(new File([file], "dropped.jpg", {type: file.type}));
+document.getElementById("bars").innerHTML = ""; document.getElementById("cam").removeAttribute("src");
+document.getElementById("drop").dispatchEvent(new DragEvent("drop", {dataTransfer: moved, bubbles: true}));"""
+
+
 def show(address, image, screenshot=None):
-    """Open the page, upload `image` through its file input, wait for the bars and the overlay ->
-    [(class, bar width in px)], the overlay's natural width."""
+    """Open the page, upload `image` through its file input, wait for the bars and the overlay, then drop
+    the same file on the drop zone and wait again -> [(class, bar width in px)] each time, the overlay's
+    natural width."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
     page = browser()
+
+    def shown():
+        WebDriverWait(page, 30).until(lambda p: p.find_elements(By.CSS_SELECTOR, "#bars .bar")
+                                      and p.execute_script("return document.getElementById('cam').naturalWidth"))
+        return [(b.find_element(By.CLASS_NAME, "name").text, b.find_element(By.CLASS_NAME, "fill").size["width"])
+                for b in page.find_elements(By.CSS_SELECTOR, "#bars .bar")]
     try:
         page.get(f"http://{address}/")
         page.find_element(By.ID, "file").send_keys(str(Path(image).resolve()))
-        WebDriverWait(page, 30).until(lambda p: p.find_elements(By.CSS_SELECTOR, "#bars .bar")
-                                      and p.execute_script("return document.getElementById('cam').naturalWidth"))
-        bars = [(b.find_element(By.CLASS_NAME, "name").text, b.find_element(By.CLASS_NAME, "fill").size["width"])
-                for b in page.find_elements(By.CSS_SELECTOR, "#bars .bar")]
+        bars = shown()
+        page.execute_script(DROP)
+        assert shown() == bars  # the drop zone gives the same answer
         if screenshot:
             page.save_screenshot(str(screenshot))
         return bars, page.execute_script("return document.getElementById('cam').naturalWidth")
