@@ -27,8 +27,8 @@ own temporary folder (the upload is written there, so that it is decoded by exac
 predict_onnx.py's path-taking functions); the model call runs under one lock: Grad-CAM hooks the
 model's target layer, so two calls at once on one model would read each other's activations, and one
 call already keeps every core busy (torch's and onnxruntime's intra-op threads), so a second model
-copy or session per thread would add memory, not throughput. Decoding the request and writing the
-answer run outside the lock.
+copy or session per thread would add memory, not throughput. Reading the upload and writing the
+answer run outside the lock; the image is decoded inside it (the reused functions decode and run in one call).
 """
 import argparse
 import base64
@@ -48,18 +48,20 @@ import predict_onnx
 from predict_onnx import BadImage, UserError
 from utils import run_dir as run_files
 
+MULTILABEL_REJECT = "--reject is for a single-label model; a multi-label one answers no label under its thresholds"
 DRAIN_LIMIT = 8  # an oversized body up to this many times --max-upload-mb is read and dropped before the 413
 
 
 class OnnxModel:
     """An .onnx file with its sidecar, run by predict_onnx.py's functions in one onnxruntime session."""
 
-    cam_note = "Grad-CAM needs the PyTorch checkpoint (onnxruntime gives no gradients): serve the run directory to see it."
+    cam_note = ("Grad-CAM needs the PyTorch checkpoint (onnxruntime gives no gradients): serve the run directory "
+                "to see it.")
 
     def __init__(self, path, topk, reject):
         self.path, self.spec = path, predict_onnx.read_sidecar(path)
         if reject is not None and self.spec["activation"] == "sigmoid":
-            raise UserError("--reject is for a single-label model; a multi-label one answers no label under its thresholds")
+            raise UserError(MULTILABEL_REJECT)
         if reject == "auto":
             reject = self.spec.get("reject_threshold")
             if reject is None:
@@ -97,13 +99,14 @@ class TorchModel:
         except TorchUserError as e:
             raise UserError(str(e), e.exit_code) from None
         if getattr(model, "multilabel", False) and self.reject is not None:
-            raise UserError("--reject is for a single-label model; a multi-label one answers no label under its thresholds")
+            raise UserError(MULTILABEL_REJECT)
         if self.reject == "auto":
             if model.reject_threshold is None:
                 raise UserError(f"--reject auto: checkpoint '{path}' holds no rejection threshold (written before runs "
                                 "fitted one); give --reject P, a probability")
             self.reject = model.reject_threshold
-        self.model, self.reject, self.topk = model.to(self.device), self.reject or 0.0, min(self.topk, len(self.classes))
+        self.model, self.reject = model.to(self.device), self.reject or 0.0
+        self.topk = min(self.topk, len(self.classes))
         data = trained_data_config(config)
         self.size, self.channels = int(data["img_size"]), int(data["channels"])
         self.transform = build_transforms(self.size, int(data["val_resize"]), channels=self.channels)[1]
@@ -161,7 +164,7 @@ class Handler(BaseHTTPRequestHandler):
     def answer(self, status, body, content_type="application/json"):
         data = body if isinstance(body, bytes) else (json.dumps(body, ensure_ascii=False) + "\n").encode()
         self.send_response(status)
-        self.send_header("Content-Type", content_type + ("; charset=utf-8" if content_type.startswith(("text", "app")) else ""))
+        self.send_header("Content-Type", content_type + "; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -308,8 +311,8 @@ def main(argv=None):
     server.model, server.lock, server.max_upload = model, threading.Lock(), int(args.max_upload_mb * 1e6)
     server.page = page(model, args.source)
     host, port = server.server_address[:2]
-    print(f"serving {args.source} ({len(model.classes)} classes) on http://{host}:{port}/ (POST /predict; Ctrl-C stops)",
-          flush=True)
+    print(f"serving {args.source} ({len(model.classes)} classes) on http://{host}:{port}/ (POST /predict; "
+          "Ctrl-C stops)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
