@@ -213,9 +213,10 @@ def run_model(model_path, spec, threads=0):
     return lambda batch: session.run(None, {spec["input"]: batch})[0]
 
 
-def predict(model_path, paths, spec, topk, batch_size, reject=0.0):
-    """-> (rows as rows_of gives them, [(path, why), ...] unreadable)."""
-    run = run_model(model_path, spec)
+def predict(model_path, paths, spec, topk, batch_size, reject=0.0, run=None):
+    """-> (rows as rows_of gives them, [(path, why), ...] unreadable). run: a run_model already made (serve.py
+    keeps one session for all its requests), else one is made here."""
+    run = run or run_model(model_path, spec)
     rows, bad = [], []
     for start in range(0, len(paths), batch_size):
         inputs, good = [], []
@@ -277,30 +278,31 @@ def write_predictions(rows, classes, out, topk):
     """CSV or JSON by suffix, via a temporary file: an existing file is replaced only when complete."""
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
-    if rows and len(rows[0]) == 3:  # multi-label: the predicted labels, then every label's probability
-        if out.suffix == ".json":
-            tmp.write_text(json.dumps([{"path": p, "labels": [{"class": classes[c], "prob": round(pr, 6)} for c, pr in on],
-                                        "probs": {name: round(pr, 6) for name, pr in zip(classes, every)}}
-                                       for p, on, every in rows], indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        else:
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
-                w = csv.writer(f)
-                w.writerow(["path", "labels", *classes])
-                for p, on, every in rows:
-                    w.writerow([p, ";".join(classes[c] for c, _ in on), *(f"{pr:.6f}" for pr in every)])
+    if out.suffix == ".json":
+        tmp.write_text(json.dumps(records(rows, classes), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         tmp.replace(out)
         return
-    if out.suffix == ".json":
-        tmp.write_text(json.dumps([{"path": p, "top": [{"class": class_name(classes, c), "prob": round(pr, 6)}
-                                                       for c, pr in top]}
-                                   for p, top in rows], indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    else:
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        if rows and len(rows[0]) == 3:  # multi-label: the predicted labels, then every label's probability
+            w.writerow(["path", "labels", *classes])
+            for p, on, every in rows:
+                w.writerow([p, ";".join(classes[c] for c, _ in on), *(f"{pr:.6f}" for pr in every)])
+        else:
             w.writerow(["path"] + [x for k in range(1, topk + 1) for x in (f"class{k}", f"prob{k}")])
             for p, top in rows:
                 w.writerow([p] + [x for c, pr in top for x in (class_name(classes, c), f"{pr:.6f}")])
     tmp.replace(out)
+
+
+def records(rows, classes):
+    """The rows as --out FILE.json holds them (and serve.py answers): {"path", "top": [{"class", "prob"}, ...]},
+    or multi-label {"path", "labels": [...] at their thresholds, "probs": every label's}; 6 decimals."""
+    if rows and len(rows[0]) == 3:
+        return [{"path": p, "labels": [{"class": classes[c], "prob": round(pr, 6)} for c, pr in on],
+                 "probs": {name: round(pr, 6) for name, pr in zip(classes, every)}} for p, on, every in rows]
+    return [{"path": p, "top": [{"class": class_name(classes, c), "prob": round(pr, 6)} for c, pr in top]}
+            for p, top in rows]
 
 
 def parse_reject(value):
