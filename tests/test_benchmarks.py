@@ -195,14 +195,15 @@ def test_sample_memory_quick_workers_copy_the_list_but_not_the_sample_list(tmp_p
 
 @pytest.mark.slow
 def test_init_quick_prints_a_table_of_both_settings(tmp_path):
-    """benchmarks/init.py --quick: train.py with model.zero_init_residual true and false, interleaved, on each
-    set, from scratch and from --weights; the table's every row holds the two means and their difference."""
-    r = subprocess.run([sys.executable, "benchmarks/init.py", "--quick", "--data", tmp_path / "data", "--out-dir",
-                        tmp_path], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, **ENV})
+    """benchmarks/init.py --quick: train.py with model.zero_init_residual true and false, interleaved, from
+    scratch and from --weights (the demo's checkpoints, trained first); the table's every row holds the two
+    means and their difference. One set of the three: each set's runs are the same code with other data."""
+    r = subprocess.run([sys.executable, "benchmarks/init.py", "--quick", "--tasks", "digits", "--data",
+                        tmp_path / "data", "--out-dir", tmp_path], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, **ENV})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "init.json").read_text())
-    assert [run["zero_init_residual"] for run in res["runs"]] == [True, False] * 6  # interleaved
+    assert [run["zero_init_residual"] for run in res["runs"]] == [True, False] * 2  # interleaved
     assert all(0 <= run["metric"] <= 1 for run in res["runs"])
     # Each setting's --weights runs start from the checkpoint trained with that setting.
     for z in ("true", "false"):
@@ -211,7 +212,8 @@ def test_init_quick_prints_a_table_of_both_settings(tmp_path):
     number = r"(\d\.\d{3}) \[(\d\.\d{3}), (\d\.\d{3})\]"
     rows = re.findall(rf"^\| (digits \(top-1\)|digit pairs \(mAP\)|demo \(top-1\)) \| (scratch|--weights \(\w+\)) "
                       rf"\| {number} \| {number} \| ([+-]\d\.\d{{3}}) \|$", r.stdout, re.M)
-    assert len(rows) == 6, r.stdout
+    assert [row[:2] for row in rows] == [("digits (top-1)", "scratch"), ("digits (top-1)", "--weights (demo)")], \
+        r.stdout
     for row in rows:
         true_mean, false_mean, diff = float(row[2]), float(row[5]), float(row[8])
         assert diff == pytest.approx(true_mean - false_mean, abs=1.5e-3), row

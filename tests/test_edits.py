@@ -8,7 +8,7 @@ the tests of what it touches still pass there, and the product does what the REA
 - a focal loss with a gamma key (a Criterion field, the single-label return of Criterion.loss,
   optim.focal_gamma): training runs on it, the key reaches it, the multi-label branch above it still
   trains a label file on a sigmoid, the loop tests pass, and the NaN fault still reaches the training
-  loss (tests/_faults.py patches the criterion);
+  loss (tests/_faults.py patches the criterion; train.py stops at the step it names);
 - a metric in engine.sample_metrics: it lands in metrics.jsonl, TensorBoard and eval.json;
 - a config key (schema line + commented default): the config tests pass and the key overrides.
 
@@ -126,8 +126,7 @@ EDITS = {
 # The tests of what each edit touches, run in the edited copy (its process: the edited modules).
 TOUCHED = {
     "augmentation": ["tests/test_data.py", "tests/test_gpu_pipeline.py", "-k", "transform"],
-    "focal_loss": ["tests/test_engine.py", "-k", "hand or nan",
-                   "tests/test_ddp_resume.py::test_nan_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint"],
+    "focal_loss": ["tests/test_engine.py", "-k", "hand or nan"],
     "config_key": ["tests/test_config.py", "-k", "default or comment"],
 }
 
@@ -242,7 +241,7 @@ def test_a_focal_loss_with_a_gamma_key_trains_and_the_loop_tests_and_the_nan_fau
     root, images = edited
     meadows = meadow.generate(tmp_path / "meadows", images=12, min_size=40, max_size=48)
     p = 1 / (1 + 2 * math.exp(-2))  # softmax probability of the true class of logits (2, 0, 0)
-    (rc, out), (train_rc, train_out), (ml_rc, ml_out), tests = run_calls(
+    (rc, out), (train_rc, train_out), (ml_rc, ml_out), tests, (nan_rc, nan_out) = run_calls(
         root, ("-c", "import torch, engine; from utils.config import load_config; "
                      "x, y, t = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0]), torch.tensor([[1.0, 0.0, 1.0]]); "
                      "print(engine.Criterion()(x, y).item(), "
@@ -251,7 +250,10 @@ def test_a_focal_loss_with_a_gamma_key_trains_and_the_loop_tests_and_the_nan_fau
         ("train.py", *FAST_ARGS, "--data-path", images, "--output-dir", tmp_path / "run", "optim.focal_gamma=1.0"),
         ("train.py", *FAST_ARGS, "--data-path", meadows, f"data.labels={meadows / 'labels.csv'}",
          "--output-dir", tmp_path / "multi"),
-        touched_tests("focal_loss"))
+        touched_tests("focal_loss"),
+        # Last: tests/_faults.py patches engine.Criterion for the rest of the process.
+        ("tests/_faults.py", "nan:0:1", "train.py", *FAST_ARGS, "--data-path", images, "--output-dir",
+         tmp_path / "nan"))
     assert_passed(tests)
     assert rc == 0, out[-2000:]
     default, half, multi = map(float, out.split()[-3:])
@@ -262,6 +264,7 @@ def test_a_focal_loss_with_a_gamma_key_trains_and_the_loop_tests_and_the_nan_fau
                                   rel=1e-5)
     assert train_rc == 0 and len(read_metrics(tmp_path / "run")) == 1, train_out[-3000:]
     assert ml_rc == 0 and "val_map" in read_metrics(tmp_path / "multi")[0], ml_out[-3000:]
+    assert nan_rc != 0 and "loss is nan at epoch 1, step 1" in nan_out, nan_out[-3000:]  # the fault reaches it
 
 
 @pytest.mark.parametrize("edited", ["metric"], indirect=True)
