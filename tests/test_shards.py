@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from _resume_utils import run_main, single_thread
+from _faults import log_seen
+from _resume_utils import load, run_main, single_thread
 from conftest import FAST_ARGS, REPO, free_port, make_image_folder, run_entry
 from test_global_batch import load_script
 
@@ -144,19 +145,32 @@ def single(folders, served, s3, tmp_path_factory):
     sources = {"folders": ["--data-path", data], "local": [f"data.shards={shards}"],
                # A cache bound of a few bytes: it keeps only the shard fetched last, and the run still matches.
                "http": [f"data.shards={served.url}/flowers_shards", "data.shard_cache_gb=1e-9"],
-               "s3": ["data.shards=s3://bucket/flowers_shards", f"data.shard_cache={out / 's3_cache'}"]}
+               "s3": ["data.shards=s3://bucket/flowers_shards", f"data.shard_cache={out / 's3_cache'}"],
+               # data.pipeline=gpu's per-batch decode (torchvision's decode_jpeg; nvJPEG on CUDA), here on the CPU.
+               "folders_gpu": ["--data-path", data, "data.pipeline=gpu", "data.gpu_decode=per_batch"],
+               "local_gpu": [f"data.shards={shards}", "data.pipeline=gpu", "data.gpu_decode=per_batch"]}
     served.requests.clear()
     runs = {}
+    from utils import gpu_pipeline
+    decoded, decode = [], gpu_pipeline._decode_jpegs
+
+    def counted(parts, *args):  # the JPEGs the batch decoder got
+        decoded.append(len(parts) if isinstance(parts, (list, tuple)) else 1)
+        return decode(parts, *args)
+
     with pytest.MonkeyPatch.context() as mp, single_thread():
         for name, value in s3_env.items():
             mp.setenv(name, value)
+        mp.setattr(gpu_pipeline, "_decode_jpegs", counted)
         train = load_script("train")
         for name, args in sources.items():
+            decoded.clear()
             argv = [*FAST_ARGS, f"data.shard_cache={out / 'cache'}", *args, "--output-dir", out / name]
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(io.StringIO()) as err:
                 rc = run_main(train, list(map(str, argv)), mp)
             assert rc == 0, (name, err.getvalue()[-3000:])
-            runs[name] = (out / name, err.getvalue())
+            runs[name] = (out / name, err.getvalue() + printed.getvalue())
+            runs[name + " decoded"] = sum(decoded)
     return {**runs, "requests": dict(served.requests), "cache": out / "cache"}
 
 
@@ -177,6 +191,25 @@ def test_the_split_from_shards_is_the_split_of_their_folders(folders):
 
 
 @pytest.mark.slow
+def test_an_image_is_read_at_its_place_in_the_shard_or_by_wids_for_shards_without_places(folders, tmp_path):
+    """samples.jsonl's offset and size, and wids's own index of the tar (for shards made without them): the
+    file's bytes either way; a place past a shard's end is that shard's one error."""
+    from utils.shards import ShardError, ShardReader, read_index
+    from data import _places
+    _, data, shards = folders
+    index, rows = read_index(shards)
+    direct = ShardReader(shards, index, tmp_path / "a", 1 << 30, 1, _places(rows))
+    by_wids = ShardReader(shards, index, tmp_path / "b", 1 << 30, 1)
+    for row in (0, 6, 7, len(rows) - 1):  # a shard's first and last, the next shard's first, the last
+        want = (data / rows[row]["path"]).read_bytes()
+        assert direct.image(row)[1] == want and by_wids.image(row)[1] == want, row
+    offsets, sizes = _places(rows)
+    sizes[7] = 1 << 20
+    with pytest.raises(ShardError, match="shard-000001.tar': .* of 1048576 bytes at .* [(]cut short[)]"):
+        ShardReader(shards, index, tmp_path / "c", 1 << 30, 1, (offsets, sizes)).image(7)
+
+
+@pytest.mark.slow
 def test_training_from_shards_local_over_http_and_s3_gives_the_folders_numbers_bit_for_bit(single):
     for name in ("local", "http", "s3"):
         assert "skipping unreadable image: cannot decode 'roses/roses_002.jpg' in '" in single[name][1], name
@@ -193,27 +226,99 @@ def test_training_from_shards_local_over_http_and_s3_gives_the_folders_numbers_b
     assert len(cached) == 1, cached
 
 
+def seen(log):
+    """tests/_faults.py's SEEN_LOG lines: [(attempt, rank, epoch, part, path)]."""
+    rows = [line.split("\t") for line in Path(log).read_text().splitlines()]
+    return [(int(a), int(r), int(e), part, path) for a, r, e, part, path in rows]
+
+
+def paths_of(rows, **want):
+    """The paths of `rows` (seen's) whose fields are `want`'s, in order."""
+    names = ("attempt", "rank", "epoch", "part")
+    return [row[-1] for row in rows if all(row[names.index(k)] == v for k, v in want.items())]
+
+
+def once(paths):
+    return sorted(paths) == sorted(set(paths))
+
+
 @pytest.mark.slow
-def test_ddp_from_shards_over_http_killed_mid_epoch_sees_what_ddp_from_folders_sees(folders, tmp_path, served):
-    """2 processes: rank 0 killed (kill -9) at the 3rd of 3 steps, torchrun restarts both, --resume auto
-    continues from the step saved before; the same steps and losses as from the folders straight, and
-    validation counts each of the 5 images once (no padding to 6)."""
-    _, data, _ = folders
-    base = [*FAST_ARGS, "--resume", "auto", "train.save_every_steps=1", f"data.shard_cache={tmp_path / 'cache'}"]
+def test_ddp_from_shards_over_http_killed_mid_epoch_resumes_bit_for_bit_then_on_one_process_at_the_next_image(
+        folders, tmp_path, served):
+    """2 processes over HTTP, 2 epochs of 3 steps: rank 0 killed (kill -9) at epoch 1's 3rd step, torchrun
+    restarts both and --resume auto continues from the step saved before: epoch 1 has the same losses as DDP
+    from the folders straight, and validation counts each of the 5 images once (no padding to 6). Killed
+    again at epoch 2's 2nd step, with no restart left; train.py (1 process) --resume auto then trains the
+    16 images of epoch 2 that no process had trained: each of the 24 once in that epoch across the two."""
+    _, data, shards = folders
+    base = [*FAST_ARGS, "--resume", "auto", "train.save_every_steps=1", "train.log_every=1", "train.epochs=2",
+            f"data.shard_cache={tmp_path / 'cache'}"]
     proc = run_entry("train_multi_gpu_ddp.py", *base, "--data-path", data, "--output-dir", tmp_path / "folders",
                      nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    http = [f"data.shards={served.url}/flowers_shards", "--output-dir", tmp_path / "http"]
     killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
                              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-                             REPO / "tests/_faults.py", "kill:0:2", "train_multi_gpu_ddp.py", *map(str, base),
-                             f"data.shards={served.url}/flowers_shards", "--output-dir", tmp_path / "http"],
+                             REPO / "tests/_faults.py", "kill:0:2:2", "train_multi_gpu_ddp.py", *map(str, base + http)],
                             capture_output=True, text=True, cwd=REPO, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert killed.returncode == 0, killed.stderr[-3000:]
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "SEEN_LOG": str(tmp_path / "seen.log")})
+    assert killed.returncode != 0, killed.stderr[-3000:]  # the second kill: no restart left
     resumed = [x for x in (killed.stdout + killed.stderr).splitlines() if "resumed from" in x]
     assert len(resumed) == 1 and resumed[0].endswith("global step 2)"), resumed
-    assert metrics(tmp_path / "http") == metrics(tmp_path / "folders")
-    assert metrics(tmp_path / "http")[-1]["val_count"] == 5
+    assert metrics(tmp_path / "http") == metrics(tmp_path / "folders")[:1]
+    assert metrics(tmp_path / "http")[0]["val_count"] == 5
+    first = seen(tmp_path / "seen.log")
+    val = paths_of(first, attempt=1, epoch=0, part="val")
+    assert len(val) == 5 and once(val) and {paths_of(first, attempt=1, part="val", rank=r).__len__() for r in (0, 1)} \
+        == {2, 3}
+    # Epoch 2 on 2 processes: the batches last.pt holds (each rank's first), then one process for the rest.
+    state = load(tmp_path / "http" / "checkpoints" / "last.pt")
+    assert (state["epoch"], state["epoch_step"], state["data"]["world_size"]) == (1, 1, 2)
+    trained = [p for r in (0, 1) for p in paths_of(first, attempt=1, epoch=1, part="train", rank=r)[:4]]
+    with pytest.MonkeyPatch.context() as mp, single_thread():
+        log_seen(tmp_path / "seen_1.log", mp.setattr)
+        with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+            rc = run_main(load_script("train"), list(map(str, base + http)), mp)
+    out = out.getvalue() + err.getvalue()
+    assert rc == 0, out[-3000:]
+    assert "at epoch 2 at image 9 of its order" in out, out[-3000:]
+    assert "epoch 2 goes on from image 9 of its 24 in its order" in out, out[-3000:]
+    trained += paths_of(seen(tmp_path / "seen_1.log"), epoch=1, part="train")
+    from data import split_dataset
+    from utils.config import load_config
+    train = [path for path, _ in split_dataset(load_config([f"data.shards={shards}"]).data).train]
+    assert sorted(trained) == sorted(train), "each training image once in the epoch of the restart"
+    assert [m["epoch"] for m in metrics(tmp_path / "http")] == [1, 2]
+    assert metrics(tmp_path / "http")[1]["val_count"] == 5
+
+
+@pytest.mark.slow
+def test_ddp_on_3_processes_from_shards_sees_each_image_once_an_epoch_and_validates_exactly(folders, tmp_path):
+    """24 training images, 2 batches of 4 per rank; 5 validation images: 2, 2 and 1 per rank, none twice."""
+    _, _, shards = folders
+    proc = run_entry("tests/_faults.py", "none", "train_multi_gpu_ddp.py", *FAST_ARGS, f"data.shards={shards}",
+                     f"data.shard_cache={tmp_path / 'cache'}", "--output-dir", tmp_path / "run", nproc=3,
+                     env={"SEEN_LOG": str(tmp_path / "seen.log")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = seen(tmp_path / "seen.log")
+    train, val = paths_of(rows, part="train"), paths_of(rows, part="val")
+    assert len(train) == 24 and once(train)
+    assert [len(paths_of(rows, part="train", rank=r)) for r in range(3)] == [8, 8, 8]
+    assert len(val) == 5 and once(val)
+    assert sorted(len(paths_of(rows, part="val", rank=r)) for r in range(3)) == [1, 2, 2]
+    [line] = metrics(tmp_path / "run")
+    assert line["val_count"] == 5 and line["bad_images"] == 1
+
+
+@pytest.mark.slow
+def test_the_gpu_pipeline_decodes_the_jpegs_of_shards_as_those_of_files(single):
+    """data.pipeline=gpu with data.gpu_decode=per_batch: the shards' bytes, decoded batch by batch (on the CPU
+    here), give the folders' numbers, the bad image skipped and counted alike."""
+    for name in ("folders_gpu", "local_gpu"):
+        assert "gpu pipeline: 24 train images, JPEGs decoded on cpu every batch" in single[name][1], name
+    assert metrics(single["local_gpu"][0]) == metrics(single["folders_gpu"][0])
+    assert single["local_gpu decoded"] == single["folders_gpu decoded"] >= 23  # every readable training JPEG
+    assert metrics(single["local_gpu"][0])[0]["bad_images"] == 1
 
 
 @pytest.mark.slow
@@ -251,12 +356,17 @@ def test_make_shards_packs_a_multilabel_label_file_with_its_split_and_groups_and
     assert index["classes"] == ["bird", "cat", "dog"] and index["multilabel"]
     assert [s["nsamples"] for s in index["shardlist"]] == [4, 2]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    place = {k: samples[0].pop(k) for k in ("offset", "size")}
     assert samples[0] == {"path": "a/a_000.jpg", "label": [1, 2], "split": "train", "group": "g1"}
     assert [s["split"] for s in samples] == ["train", "train", "val", "train", "val", "test"]
-    # The image's bytes as they were, beside its row.
+    # The image's bytes as they were, beside its row, and where samples.jsonl says they are (the last shard's too).
     import tarfile
     with tarfile.open(out / "shard-000000.tar") as tar:
         assert tar.extractfile("000000000.jpg").read() == (data / "a" / "a_000.jpg").read_bytes()
+    for shard, row, path in (("shard-000000.tar", place, "a/a_000.jpg"), ("shard-000001.tar", samples[5], "b/b_002.jpg")):
+        with open(out / shard, "rb") as f:
+            f.seek(row["offset"])
+            assert f.read(row["size"]) == (data / path).read_bytes()
     # Started again after a stop: the finished shard is kept, the missing one written again, alike.
     first = (out / "shard-000000.tar").stat().st_mtime_ns
     (out / "shard-000001.tar").unlink()
