@@ -264,7 +264,7 @@ def test_ddp_from_shards_over_http_killed_mid_epoch_resumes_bit_for_bit_then_on_
                             env={**os.environ, "OMP_NUM_THREADS": "1", "SEEN_LOG": str(tmp_path / "seen.log")})
     assert killed.returncode != 0, killed.stderr[-3000:]  # the second kill: no restart left
     resumed = [x for x in (killed.stdout + killed.stderr).splitlines() if "resumed from" in x]
-    assert len(resumed) == 1 and resumed[0].endswith("global step 2)"), resumed
+    assert len(resumed) == 1 and resumed[0].endswith("global step 2)"), killed.stdout[-3000:] + killed.stderr[-5000:]
     assert metrics(tmp_path / "http") == metrics(tmp_path / "folders")[:1]
     assert metrics(tmp_path / "http")[0]["val_count"] == 5
     first = seen(tmp_path / "seen.log")
