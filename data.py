@@ -187,7 +187,8 @@ def _shard_split(data_cfg):
     codes = np.array([SPLITS.index(r["split"]) if r.get("split") else -1 for r in rows], dtype=np.int64)
     split = Split(classes, SampleList(), SampleList(), multilabel=samples.multilabel,
                   shards=ShardReader(where, index, data_cfg.shard_cache or os.path.join(tempfile.gettempdir(),
-                                     "shard_cache"), int(data_cfg.shard_cache_gb * 2**30), data_cfg.shard_retries))
+                                     "shard_cache"), int(data_cfg.shard_cache_gb * 2**30), data_cfg.shard_retries,
+                                     _places(rows)))
     if (codes >= 0).any():
         refuse_fixed_split(data_cfg, f"data.shards '{where}' carry a split", "make the shards from unsplit data")
         for code, part in enumerate(SPLITS):
@@ -213,6 +214,14 @@ def _shard_split(data_cfg):
                         "images; a fixed split needs both")
     _warn_unseen_labels(split, f"data.shards '{where}'")
     return split
+
+
+def _places(rows):
+    """(offsets, sizes) of each row's image in its shard, from samples.jsonl; None for shards made without them."""
+    if not rows or "offset" not in rows[0]:
+        return None
+    return (np.fromiter((r["offset"] for r in rows), np.int64, len(rows)),
+            np.fromiter((r["size"] for r in rows), np.int64, len(rows)))
 
 
 def _path_keys(samples):
@@ -457,6 +466,11 @@ class ImageList(Dataset):
         path, label = self.samples[i]
         return load_image(path, transform, self.max_pixels, MODES[self.channels]), label
 
+    def file_bytes(self, i):
+        """Sample i's encoded file as it is (data.pipeline=gpu decodes JPEGs from these on the device)."""
+        with open(self.samples[i][0], "rb") as f:
+            return f.read()
+
     def __getitems__(self, indices):
         """One batch, as DataLoader's workers fetch it; a persistent worker reseeds at an epoch's first."""
         reseed_worker(self, indices)
@@ -494,6 +508,9 @@ class ShardImageList(ImageList):
         # Named as the file it was ("cannot decode 'a/1.jpg' in 'shard-000003.tar'").
         return load_image(f"{path}' in '{shard}", transform, self.max_pixels, MODES[self.channels], data=data), label
 
+    def file_bytes(self, i):
+        return self.reader.image(int(self.rows[i]))[1]
+
 
 # --------------------------------------------------------------------------- loaders
 
@@ -526,12 +543,6 @@ def make_loader(dataset, batch_size, sampler, data_cfg, device, train, procs_per
     # refuses; a held-out set carries the one it was built beside (build_datasets).
     augment = getattr(dataset, "transform", None) if train else getattr(dataset, "train_transform", None)
     pipeline = resolve_pipeline(data_cfg.pipeline, device, augment)
-    if pipeline == "gpu" and isinstance(dataset, ShardImageList):
-        # Its cache is filled from image files by path; shards have none.
-        if data_cfg.pipeline == "gpu":
-            raise UserError("data.pipeline=gpu reads image files by path, and data.shards has none; use "
-                            "data.pipeline=pil (or auto)", every_rank=True)
-        pipeline = "pil"
     if pipeline == "gpu" and getattr(dataset, "multilabel", False):
         # Its cache and batches carry one class index per image, not a multi-hot vector.
         if data_cfg.pipeline == "gpu":

@@ -402,7 +402,8 @@ def _skip_trained(batches, resume):
         return 0, 0, 0.0
     for _ in range(resume["epoch_step"]):
         next(batches)
-    ckpt.set_rng_state(resume["rng"])
+    if resume["rng"] is not None:  # None: another world size's checkpoint, its ranks' states not this run's
+        ckpt.set_rng_state(resume["rng"])
     return resume["epoch_step"], resume["images_seen"], resume["loss_sum"]
 
 

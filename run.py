@@ -215,14 +215,17 @@ def _restore(cfg, state, step, layout, classes, dist_info):
                      f"{dist_info.world_size} process(es), accumulation {their_accum} -> {step.accum_steps} "
                      f"batches of {cfg.train.batch_size} per step")
     if their_steps not in (None, steps):
-        # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps.
-        run_state.global_step = run_state.epoch * steps
+        # Another world size (an elastic restart), batch size or accum_steps: the schedule continues in this run's steps,
+        # from the epoch's start or, mid-epoch, from as many of them as the images already trained in it make.
+        done = resume_at["start"] // (cfg.train.batch_size * dist_info.world_size * step.accum_steps) if resume_at \
+            else 0
+        run_state.global_step = run_state.epoch * steps + min(done, steps)
         place_schedule(step.scheduler, cfg.optim, dist_info.world_size, their_epochs or cfg.train.epochs, steps,
                        run_state.global_step, global_batch=cfg.train.global_batch,
                        unfreeze=(cfg.train.unfreeze_at, cfg.train.unfreeze_warmup))
         notes.append(f"note: the checkpoint has {their_steps} steps per epoch, this run {steps} "
                      f"({dist_info.world_size} process(es)): the lr schedule continues from epoch {run_state.epoch + 1}'s "
-                     "start in this run's steps")
+                     + (f"step {min(done, steps)}" if resume_at else "start") + " in this run's steps")
     if rng is not None:
         ckpt.set_rng_state(rng)  # Python/NumPy continue; torch's is reseeded per epoch
     if their_epochs not in (None, cfg.train.epochs):
@@ -245,7 +248,11 @@ def _log_start(run, resume_path, notes):
     _write_record(run, resume_path is not None)
     logger.write_json(run_files.PARAM_GROUPS, param_groups.table(step.net, step.optimizer))
     resume_at = run_state.resume_at
-    where = f"epoch {run_state.epoch + 1}" + (f" after its step {resume_at['epoch_step']}" if resume_at else "")
+    where = f"epoch {run_state.epoch + 1}"
+    if resume_at and resume_at["epoch_step"]:
+        where += f" after its step {resume_at['epoch_step']}"
+    elif resume_at:  # an elastic restart: the epoch goes on from the first image no process has trained
+        where += f" at image {resume_at['start'] + 1} of its order"
     logger.info(f"run directory: {run.run_dir}" + (f" (resumed from {resume_path} at {where}, global step "
                                                      f"{run_state.global_step})" if resume_path else ""))
     if cfg.train.amp in ("bf16", "fp16") and step.amp_dtype is None:
@@ -300,7 +307,11 @@ def _train_epoch(run, epoch):
     """One epoch: train, evaluate (and the EMA), choose the best, checkpoint, pictures, metrics."""
     cfg, run_state, stop = run.cfg, run.run_state, run.stop
     epoch_start = time.perf_counter()
-    run.train_loader.sampler.set_epoch(epoch)
+    order_start = run_state.resume_at["start"] if run_state.resume_at else 0  # after an elastic restart: > 0
+    if order_start:
+        run.train_loader.sampler.set_epoch(epoch, order_start)
+    else:
+        run.train_loader.sampler.set_epoch(epoch)
     torch.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
     run.train_loader.generator.manual_seed(seed_for(cfg.train.seed, epoch, run.dist_info.rank))
     lr, lowest = group_lrs(run.step.optimizer)  # the head's and the lowest group's, at the epoch's start
@@ -313,7 +324,7 @@ def _train_epoch(run, epoch):
 
     def save_step(epoch_step, global_step, loss_sum, images_seen):
         run.saver.save(dataclasses.replace(run_state, global_step=global_step), epoch_step=epoch_step,
-                       loss_sum=loss_sum, images_seen=images_seen, epoch_lr=lr)
+                       loss_sum=loss_sum, images_seen=images_seen, epoch_lr=lr, epoch_start=order_start)
 
     first_batch = None
     if epoch == 0 and cfg.train.figures:

@@ -8,6 +8,7 @@ stop:RANK:STEP  on the first attempt, rank RANK stops (SIGSTOP) at its STEP-th s
                 A restart drops a ddp.timeout_minutes=... argument: the short timeout that ends
                 the first attempt would otherwise bound every collective of the restarted run too.
 kill:RANK:STEP  on the first attempt, rank RANK dies (SIGKILL) at its STEP-th step (0-based).
+kill:RANK:STEP:STEP2  ... and on the second attempt (torchrun's first restart) at its STEP2-th step.
 term:RANK:N     rank RANK alone gets a SIGTERM at its N-th evaluation batch (1-based), as from a
                 scheduler that signals one process.
 nospace:RANK:E  on rank RANK saving epoch E's checkpoint fails: the disk is full.
@@ -15,11 +16,13 @@ oom:WHERE:N     out of device memory, as torch raises it, at the N-th (1-based) 
                 (a torchvision ResNet's forward without gradients: the start-up probe, evaluation,
                 predict.py), ema (the EMA copy of train.ema_decay) or restore (loading a checkpoint's
                 weights into the model).
+none            no fault (SEEN_LOG alone).
 jpegoom:RANK:N  on rank RANK, nvJPEG's batched decode (data.gpu_decode=per_batch) runs out of device
                 memory from its N-th call on (0-based), as torch raises it.
 
 The fault is a monkeypatch made before the script runs, so the product code has
 no test hooks; everything else is the real script under the real launcher.
+With SEEN_LOG=FILE set, each rank appends a line per image its loaders fetch (log_seen).
 With FAULT_ERRORS=FILE set, each rank appends "RANK<tab>message" for every error it raises (printed
 or not: under torchrun one rank prints a shared error), as the error handling receives it.
 """
@@ -49,9 +52,33 @@ def inject_nan(rank, step):
     engine.Criterion.__call__ = criterion
 
 
-def inject_stop(rank, step, sig="SIGSTOP"):
+def log_seen(path, patch=setattr):
+    """Each image a loader fetches, as "ATTEMPT<tab>RANK<tab>EPOCH<tab>train|val<tab>PATH" appended to `path`
+    (ATTEMPT: torchrun's restart count; EPOCH: 0-based, of the epoch being trained or evaluated)."""
+    import data
+    import run
+    now = {"epoch": -1, "train": None}
+    train_one_epoch, getitems = run.train_one_epoch, data.ImageList.__getitems__
+
+    def epoch(step, loader, n, *args, **kwargs):
+        now.update(epoch=n, train=loader.dataset)
+        return train_one_epoch(step, loader, n, *args, **kwargs)
+
+    def fetch(self, indices):
+        head = (f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\t{os.environ.get('RANK', '0')}\t"
+                f"{now['epoch']}\t{'train' if self is now['train'] else 'val'}")
+        with open(path, "a") as f:
+            f.write("".join(f"{head}\t{self.samples[i][0]}\n" for i in indices))
+        return getitems(self, indices)
+
+    patch(run, "train_one_epoch", epoch)
+    patch(data.ImageList, "__getitems__", fetch)
+
+
+def inject_stop(rank, step, sig="SIGSTOP", then=None):
     """The first attempt's rank RANK stops itself (SIGSTOP) before its STEP-th training step: a rank
-    that stops answering, as on a hung filesystem. A torchrun restart runs on unharmed.
+    that stops answering, as on a hung filesystem. A torchrun restart runs on unharmed, unless `then`:
+    the second attempt's rank RANK stops too, before its then-th step.
     sig="SIGKILL": the rank dies there instead, as on a lost machine."""
     import signal
     import engine
@@ -60,8 +87,9 @@ def inject_stop(rank, step, sig="SIGSTOP"):
 
     def criterion(self, logits, targets):
         calls["train"] += 1
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and int(os.environ.get("RANK", "0")) == rank and calls["train"] == step + 1:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        at = {"0": step, "1": then}.get(attempt)
+        if at is not None and int(os.environ.get("RANK", "0")) == rank and calls["train"] == at + 1:
             os.kill(os.getpid(), getattr(signal, sig))
         return real(self, logits, targets)
 
@@ -150,11 +178,14 @@ if __name__ == "__main__":
     if kind == "oom":
         params = [params[0], int(params[1])]
     faults = {"nan": inject_nan, "stop": inject_stop,
-              "kill": lambda rank, step: inject_stop(rank, step, sig="SIGKILL"),
-              "term": inject_eval_signal, "nospace": inject_disk_full, "jpegoom": inject_jpeg_oom, "oom": inject_oom}
+              "kill": lambda rank, step, then=None: inject_stop(rank, step, sig="SIGKILL", then=then),
+              "term": inject_eval_signal, "nospace": inject_disk_full, "jpegoom": inject_jpeg_oom, "oom": inject_oom,
+              "none": lambda: None}
     if kind not in faults:
         sys.exit(f"unknown fault {fault!r}")
     faults[kind](*(params if kind == "oom" else map(int, params)))
+    if os.environ.get("SEEN_LOG"):
+        log_seen(os.environ["SEEN_LOG"])
     if os.environ.get("FAULT_ERRORS"):
         import utils.cli
         from utils.errors import one_line

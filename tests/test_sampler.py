@@ -109,10 +109,32 @@ def test_shuffle_is_still_distributed_sampler_with_its_order(world):
         for kind in ({}, {"kind": "shuffle"}):
             got = epoch_sampler(ds, 5, world, rank, **kind)
             ref = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=5)
-            assert type(got) is DistributedSampler
+            assert isinstance(got, DistributedSampler)
             for epoch in (0, 2):
                 got.set_epoch(epoch), ref.set_epoch(epoch)
                 assert list(got) == list(ref)
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (3, 2), (2, 3)])
+def test_an_epoch_started_part_way_on_another_world_size_deals_each_image_once(before, after):
+    """k batches of 4 on `before` ranks, then ShuffleSampler.set_epoch(epoch, start=k*4*before) on `after`
+    ranks (an elastic restart, utils.checkpoint.resume_point): together each image once (and the last share's
+    padding, as DistributedSampler pads)."""
+    ds = ImageList([(f"img{i}.jpg", y) for i, y in enumerate(LABELS)])
+    for k in (1, 2):
+        trained = []
+        for rank in range(before):
+            sampler = epoch_sampler(ds, 5, before, rank)
+            sampler.set_epoch(3)
+            trained += list(sampler)[:k * 4]
+        rest = []
+        for rank in range(after):
+            sampler = epoch_sampler(ds, 5, after, rank)
+            sampler.set_epoch(3, start=k * 4 * before)
+            assert len(list(sampler)) == len(sampler)
+            rest += list(sampler)
+        assert sorted(set(trained + rest)) == list(range(len(ds)))
+        assert len(trained + rest) - len(ds) == (-(len(ds) - k * 4 * before)) % after  # the padding alone
 
 
 def test_balanced_kind_reads_the_datasets_labels():

@@ -8,7 +8,8 @@ SRC is read as data.path is: class folders, a root with train/ val/ [test/] (the
 with --labels a CSV or JSON Lines label file (utils/label_file.py: several labels per row, a split and a group
 column). Each image's file goes in as its bytes, not re-encoded, with KEY.json beside it: its path relative to
 SRC, its label (a class index, or a list of them), split and group. index.json (wids's descriptor, with the class
-names and a digest of every shard's MD5) and samples.jsonl (the same rows, for the split) are written last.
+names and a digest of every shard's MD5) and samples.jsonl (the same rows, for the split, with the offset and
+size of each image's bytes in its shard) are written last.
 
 Shards are written in parallel (--jobs, default every core), each to a temporary name that is renamed when
 complete: run again after a stop, it keeps the finished shards and writes the rest. Serve the folder as it is
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import sys
+import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -37,7 +39,7 @@ def shard_name(i):
 
 def write_shard(out, i, rows):
     """Shard i holding `rows` ((key, file, meta) each), written under a temporary name and renamed when
-    complete; one already there is kept. -> (name, samples, bytes, MD5)."""
+    complete; one already there is kept. -> (name, samples, bytes, MD5, each row's image (offset, size) in it)."""
     import webdataset as wds  # its TarWriter: the layout every WebDataset reader takes
 
     final = Path(out) / shard_name(i)
@@ -53,7 +55,10 @@ def write_shard(out, i, rows):
     with open(final, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    return final.name, len(rows), final.stat().st_size, digest.hexdigest()
+    # Where each image's bytes lie in the tar: a reader goes straight there, without parsing the tar's headers.
+    with tarfile.open(final) as tar:
+        places = {m.name.rsplit(".", 1)[0]: (m.offset_data, m.size) for m in tar if not m.name.endswith(".json")}
+    return final.name, len(rows), final.stat().st_size, digest.hexdigest(), [places[key] for key, _, _ in rows]
 
 
 @cli_entry
@@ -87,8 +92,10 @@ def main(argv=None):
     chunks = [rows[a:a + args.per_shard] for a in range(0, len(rows), args.per_shard)]
     with ProcessPoolExecutor(min(args.jobs, len(chunks))) as pool:
         done = list(pool.map(write_shard, [out] * len(chunks), range(len(chunks)), chunks))
-    shardlist = [{"url": name, "nsamples": n, "filesize": size, "md5sum": md5} for name, n, size, md5 in done]
-    lines = "".join(json.dumps(meta) + "\n" for _, _, meta in rows)
+    shardlist = [{"url": name, "nsamples": n, "filesize": size, "md5sum": md5} for name, n, size, md5, _ in done]
+    places = [place for *_, shard_places in done for place in shard_places]
+    lines = "".join(json.dumps({**meta, "offset": offset, "size": size}) + "\n"
+                    for (_, _, meta), (offset, size) in zip(rows, places))
     digest = hashlib.sha256(lines.encode())
     for shard in shardlist:
         digest.update(shard["md5sum"].encode())

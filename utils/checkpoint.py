@@ -214,9 +214,10 @@ def label_task(state):
 
 
 def make_state(model, optimizer, scheduler, scaler, run_state, config, classes, ranks=None, epoch_step=0,
-               epoch_lr=None, data=None, ema=None, sharded=None, record=None):
+               epoch_lr=None, data=None, ema=None, sharded=None, record=None, epoch_start=0):
     """The checkpoint dict of `run_state` (a RunState). `ranks[r]` is rank r's {"rng", "loss_sum", "images_seen"}
-    (distributed_utils.gather_objects); `epoch_step` > 0 marks a checkpoint written mid-epoch. With an EMA
+    (distributed_utils.gather_objects); `epoch_step` > 0 marks a checkpoint written mid-epoch, its loader batches
+    counted from position `epoch_start` of the epoch's order (utils.samplers.ShuffleSampler). With an EMA
     (utils.optim.WeightEMA) its weights are kept under "ema". `model` may be a state dict already (FSDP's
     full weights); `sharded` names the directory holding an FSDP run's model and optimizer shards."""
     extra = {"ema": strip_wrapper_prefixes(ema.module.state_dict())} if ema is not None else {}
@@ -228,6 +229,7 @@ def make_state(model, optimizer, scheduler, scaler, run_state, config, classes, 
         "scaler": scaler.state_dict(),
         **run_state.saved(),            # epoch: epochs completed, a resumed run starts at this index
         "epoch_step": epoch_step,       # loader batches of epoch `epoch` already trained (0: at an epoch boundary)
+        "epoch_start": epoch_start,     # ... from this position of the epoch's order (an elastic restart's)
         "epoch_lr": epoch_lr,           # lr at the start of that epoch, for its metrics line
         "config": config,
         "classes": list(classes),
@@ -424,10 +426,14 @@ def data_layout(seed, world_size, batch_size, steps_per_epoch, train_images, acc
 def resume_point(state, rank, layout):
     """This rank's saved random state, and for a mid-epoch checkpoint where to continue in the epoch.
 
-    Returns (rng or None, resume_at or None, note or None); resume_at = {"epoch_step", "loss_sum",
-    "images_seen", "rng", "lr"}. A mid-epoch checkpoint whose batch order no longer holds
-    (another world size after an elastic restart, another batch size, seed or data) cannot
-    continue inside its epoch: the epoch restarts from its first batch, and `note` says so.
+    Returns (rng or None, resume_at or None, note or None); resume_at = {"epoch_step", "start", "loss_sum",
+    "images_seen", "rng", "lr"}: skip `epoch_step` loader batches of the epoch's order from its position
+    `start`. A mid-epoch checkpoint of another world size or batch size (an elastic restart) continues at the
+    epoch's first image no rank has trained: the ranks trained the first epoch_step x batch x world positions
+    of the shuffled order (utils.samplers.ShuffleSampler), which the new ranks then skip; its ranks' loss and
+    image sums go to rank 0's, so train_loss is still the epoch's mean. Where the order itself has changed
+    (another seed, other data, the balanced sampler, whose order depends on the world size) the epoch
+    restarts from its first batch, and `note` says so.
     """
     ranks = state.get("ranks") or []
     same_world = len(ranks) == layout["world_size"]
@@ -437,14 +443,25 @@ def resume_point(state, rank, layout):
     theirs = state.get("data") or {}
     changed = [f"{k} {theirs.get(k, _LAYOUT_BEFORE.get(k))} -> {v}" for k, v in layout.items()
                if theirs.get(k, _LAYOUT_BEFORE.get(k)) != v]
-    if changed or not same_world:
-        return rng, None, (f"note: the checkpoint was written at step {state['epoch_step']} of epoch "
-                           f"{state['epoch'] + 1} and the batch order has changed since "
-                           f"({', '.join(changed) or 'world size'}): epoch {state['epoch'] + 1} restarts from "
-                           "its first batch (the weights keep the steps already trained)")
-    mine = ranks[rank]
-    return rng, {"epoch_step": state["epoch_step"], "loss_sum": mine["loss_sum"],
-                 "images_seen": mine["images_seen"], "rng": mine["rng"], "lr": state["epoch_lr"]}, None
+    start = state.get("epoch_start", 0)
+    if not changed and same_world:
+        mine = ranks[rank]
+        return rng, {"epoch_step": state["epoch_step"], "start": start, "loss_sum": mine["loss_sum"],
+                     "images_seen": mine["images_seen"], "rng": mine["rng"], "lr": state["epoch_lr"]}, None
+    where = f"the checkpoint was written at step {state['epoch_step']} of epoch {state['epoch'] + 1}"
+    same_order = all(theirs.get(k, _LAYOUT_BEFORE.get(k)) == layout[k] for k in ("seed", "train_images", "sampler"))
+    if same_order and layout["sampler"] == "shuffle" and theirs.get("batch_size") and ranks:
+        start += state["epoch_step"] * theirs["batch_size"] * len(ranks)
+        first = rank == 0  # the epoch's sums so far, counted once
+        return rng, {"epoch_step": 0, "start": start, "rng": None, "lr": state["epoch_lr"],
+                     "loss_sum": sum(r["loss_sum"] for r in ranks) if first else 0.0,
+                     "images_seen": sum(r["images_seen"] for r in ranks) if first else 0}, (
+            f"note: {where} ({', '.join(changed)}): epoch {state['epoch'] + 1} goes on from image "
+            f"{min(start, layout['train_images']) + 1} of its {layout['train_images']} in its order, the ones "
+            "no process has trained yet")
+    return rng, None, (f"note: {where} and the batch order has changed since ({', '.join(changed) or 'world size'}): "
+                       f"epoch {state['epoch'] + 1} restarts from its first batch (the weights keep the steps "
+                       "already trained)")
 
 
 class Checkpointer:
@@ -460,7 +477,8 @@ class Checkpointer:
         self.config, self.classes, self.layout, self.keep_last, self.rank = config, classes, layout, keep_last, rank
         self.background, self.on_failure, self._pending = background, on_failure, None
 
-    def save(self, run_state, is_best=False, epoch_step=0, loss_sum=0.0, images_seen=0, epoch_lr=None, wait=True):
+    def save(self, run_state, is_best=False, epoch_step=0, loss_sum=0.0, images_seen=0, epoch_lr=None, wait=True,
+             epoch_start=0):
         ranks = gather_objects({"rng": rng_state(), "loss_sum": loss_sum, "images_seen": images_seen})
         model, sharded = self.model, None
         if is_sharded(self.model):  # every rank writes its shards, then gathers the full weights to rank 0
@@ -474,7 +492,8 @@ class Checkpointer:
             step = self.step
             state = make_state(model, step.optimizer, step.scheduler, step.scaler, run_state, self.config,
                                self.classes, ranks=ranks, epoch_step=epoch_step, epoch_lr=epoch_lr,
-                               data=self.layout, ema=step.ema, sharded=sharded, record=self.record)
+                               data=self.layout, ema=step.ema, sharded=sharded, record=self.record,
+                               epoch_start=epoch_start)
             # epoch_NNN.pt copies are of epoch ends only; a mid-epoch save just replaces last.pt.
             keep = self.keep_last if epoch_step == 0 else 0
             if wait or sharded or self.background is None:

@@ -403,8 +403,8 @@ class EncodedFiles(Dataset):
         return len(self.pil)
 
     def __getitem__(self, index):
-        path, label = self.pil.samples[index]
-        raw, orientation = _jpeg_bytes(path, self.max_pixels) if not self._known_bad(index) else (None, 1)
+        label = self.pil.samples[index][1]
+        raw, orientation = _jpeg_bytes(self.pil, index, self.max_pixels) if not self._known_bad(index) else (None, 1)
         if raw is not None:
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8), ENCODED, 0, 0, label, index, orientation
         pixels, label = self.pil[index]
@@ -415,12 +415,11 @@ class EncodedFiles(Dataset):
         return status is not None and bool(status[index])
 
 
-def _jpeg_bytes(path, max_pixels):
-    """(the file's bytes, its EXIF orientation) if PIL reads it as an RGB or grey JPEG within max_pixels (its
-    header only), else (None, 1)."""
+def _jpeg_bytes(dataset, index, max_pixels):
+    """(image `index`'s file bytes, its EXIF orientation) if PIL reads it as an RGB or grey JPEG within max_pixels
+    (its header only), else (None, 1). The bytes are the dataset's (file_bytes): a file's, or a shard's."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = dataset.file_bytes(index)
         with Image.open(io.BytesIO(raw)) as img:
             w, h = img.size
             ok = img.format == "JPEG" and img.mode in ("RGB", "L") and not (max_pixels and w * h > max_pixels)

@@ -15,7 +15,8 @@ def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
     A fixed order per epoch is what lets a resumed run see the same batches as
     an uninterrupted one. With num_replicas > 1 each rank gets a disjoint shard
     of equal length. kind (data.sampler):
-      shuffle   each image once per epoch (DistributedSampler, its last shard padded with repeats);
+      shuffle   each image once per epoch (ShuffleSampler: DistributedSampler, its last shard padded with
+                repeats, whose epoch can start part way through its order);
       balanced  every class drawn equally often, rare classes repeating (BalancedSampler);
                 an epoch has as many steps as with shuffle.
     No dataset (an --eval-only run's training set) gives None.
@@ -23,7 +24,7 @@ def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
     if dataset is None:
         return None
     if kind == "shuffle":
-        return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        return ShuffleSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
     if kind == "balanced":
         if getattr(dataset, "multilabel", False):
             raise UserError("data.sampler=balanced draws each class equally often, which a multi-label image "
@@ -32,6 +33,34 @@ def epoch_sampler(dataset, seed, num_replicas=1, rank=0, kind="shuffle"):
             raise TypeError(f"{type(dataset).__name__} has no .targets (a label per sample) to balance classes by")
         return BalancedSampler(list(dataset.targets), seed, num_replicas, rank)
     raise ValueError(f"unknown sampler kind {kind!r}; expected 'shuffle' or 'balanced'")
+
+
+class ShuffleSampler(DistributedSampler):
+    """DistributedSampler whose epoch may start at position `start` of the epoch's whole order: the seeded
+    permutation, which does not depend on the world size, with rank r taking positions r, r+W, r+2W, ...
+    So the first k batches of B on W ranks are exactly its first k*B*W positions, and an elastic restart
+    (utils.checkpoint.resume_point) deals the rest of the epoch, each image once, to the ranks it has now."""
+
+    start = 0
+
+    def set_epoch(self, epoch, start=0):
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        if not self.start:
+            return super().__iter__()
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)  # as DistributedSampler derives it
+        rest = torch.randperm(len(self.dataset), generator=g)[self.start:].tolist()
+        if rest:  # padded with repeats to whole shares, as DistributedSampler pads
+            rest += (rest * -(-len(self) * self.num_replicas // len(rest)))[:len(self) * self.num_replicas - len(rest)]
+        return iter(rest[self.rank::self.num_replicas])
+
+    def __len__(self):
+        if not self.start:
+            return super().__len__()
+        return -(-max(len(self.dataset) - self.start, 0) // self.num_replicas)
 
 
 class BalancedSampler(Sampler):

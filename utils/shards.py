@@ -11,8 +11,9 @@ and KEY.json, its path, labels, split and group), index.json (wids's descriptor:
 size and MD5, with the class names beside them) and samples.jsonl (one line per image in shard order: what the
 split needs, so that no shard is read to make it). docs/shards.md compares the engines this was chosen from.
 
-The reader is wids's ShardListDataset (webdataset's indexed reader): image i by index, so the template's samplers
-(DistributedSampler, the unpadded ShardSampler of validation, mid-epoch resume) apply unchanged. A shard at a URL
+Image i is read by index, so the template's samplers (DistributedSampler, the unpadded ShardSampler of validation,
+mid-epoch resume) apply unchanged: at the offset and size samples.jsonl gives for it, or, for shards without them,
+through wids's ShardListDataset (webdataset's indexed reader), which indexes a shard by parsing its tar headers. A shard at a URL
 is fetched whole into data.shard_cache by `Fetcher` (wids's own fetch runs curl once, without retries, and keeps
 an error page as the shard), retried data.shard_retries times and checked against index.json's size; the cache
 keeps the most recently fetched shards within data.shard_cache_gb. A local shard is read where it lies.
@@ -216,21 +217,26 @@ class Fetcher:
 
 
 class ShardReader:
-    """Image `row` of the shards -> (a name for messages, the image file's bytes), through wids's ShardListDataset,
-    opened in each process that reads (a forked loader worker opens its own)."""
+    """Image `row` of the shards -> (a name for messages, the image file's bytes). Where samples.jsonl gives each
+    image's offset and size in its shard (`places`, as tools/make_shards.py writes them), they are read from
+    there; otherwise through wids's ShardListDataset, which parses every tar header of a shard when it opens it
+    (0.1 s per 1,000 images; for each shard a loader's first batch touches, in every worker, and again for
+    each shard its LRU of OPEN_SHARDS dropped). Shards are opened in each process that reads (a forked loader
+    worker opens its own)."""
 
-    def __init__(self, location, index, cache_dir, cache_bytes, retries):
+    def __init__(self, location, index, cache_dir, cache_bytes, retries, places=None):
         self.location = str(location)
+        self.places = places  # (offsets, sizes) per row, int64 arrays; None: wids finds them
         self.shards = [{"url": join(location, s["url"]), "nsamples": s["nsamples"]} for s in index["shardlist"]]
         sizes = {join(location, s["url"]): s.get("filesize") for s in index["shardlist"]}
         # One cache folder per set of shards and place: shards of the same name elsewhere do not meet.
         key = hashlib.sha256(f"{index.get('digest')}\n{self.location}".encode()).hexdigest()[:16]
         self.fetcher = Fetcher(os.path.join(cache_dir, key), cache_bytes, retries, sizes)
         self.ends = np.cumsum([s["nsamples"] for s in self.shards])
-        self._wids, self._pid = None, None
+        self._wids, self._pid, self._files = None, None, {}
 
     def __getstate__(self):
-        return {**self.__dict__, "_wids": None, "_pid": None}
+        return {**self.__dict__, "_wids": None, "_pid": None, "_files": {}}
 
     def _dataset(self):
         if self._wids is None or self._pid != os.getpid():
@@ -246,8 +252,29 @@ class ShardReader:
     def shard_of(self, row):
         return self.shards[int(np.searchsorted(self.ends, row, side="right"))]["url"]
 
+    def _read(self, row):
+        """Image `row`'s bytes at their place in its shard; the last OPEN_SHARDS shards stay open (a shard the
+        cache has since removed is still read through its open file)."""
+        if self._pid != os.getpid():
+            self._files, self._pid = {}, os.getpid()
+        url = self.shard_of(row)
+        f = self._files.pop(url, None)
+        if f is None:
+            f = open(self.fetcher(url), "rb")
+            if len(self._files) >= OPEN_SHARDS:
+                self._files.pop(next(iter(self._files))).close()
+        self._files[url] = f  # last: the most recently used
+        offset, size = int(self.places[0][row]), int(self.places[1][row])
+        f.seek(offset)
+        data = f.read(size)
+        if len(data) != size:
+            raise ShardError(f"cannot read shard '{url}': {len(data)} of {size} bytes at {offset} (cut short)")
+        return url, data
+
     def image(self, row):
         """(the shard's URL, the bytes of image `row`'s file)."""
+        if self.places is not None:
+            return self._read(row)
         try:
             sample = self._dataset()[row]
         except ShardError:
