@@ -311,6 +311,24 @@ def test_ddp_on_3_processes_from_shards_sees_each_image_once_an_epoch_and_valida
 
 
 @pytest.mark.slow
+def test_fsdp_on_2_processes_from_shards_sees_each_image_once_and_validates_exactly(folders, tmp_path):
+    """train_multi_gpu_fsdp.py reads shards through the same datasets and samplers: 24 training images, 12 per
+    rank, and the 5 validation images 3 and 2, none twice."""
+    _, _, shards = folders
+    proc = run_entry("tests/_faults.py", "none", "train_multi_gpu_fsdp.py", *FAST_ARGS, f"data.shards={shards}",
+                     f"data.shard_cache={tmp_path / 'cache'}", "--output-dir", tmp_path / "run", nproc=2,
+                     env={"SEEN_LOG": str(tmp_path / "seen.log")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = seen(tmp_path / "seen.log")
+    train, val = paths_of(rows, part="train"), paths_of(rows, part="val")
+    assert len(train) == 24 and once(train)
+    assert [len(paths_of(rows, part="train", rank=r)) for r in range(2)] == [12, 12]
+    assert len(val) == 5 and once(val)
+    [line] = metrics(tmp_path / "run")
+    assert line["val_count"] == 5 and line["bad_images"] == 1
+
+
+@pytest.mark.slow
 def test_the_gpu_pipeline_decodes_the_jpegs_of_shards_as_those_of_files(single):
     """data.pipeline=gpu with data.gpu_decode=per_batch: the shards' bytes, decoded batch by batch (on the CPU
     here), give the folders' numbers, the bad image skipped and counted alike."""
