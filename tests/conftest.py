@@ -137,6 +137,13 @@ def checkpoint_with_sizes(tmp_path, monkeypatch, state, data, img_size, val_resi
     return path
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one pytest worker more than this process may use cores. A test spends part of its time
+    waiting (a rank's timeout, SLURM's scheduler, a server's start, a kill's poll): on 2 cores `.ci/run` kept
+    the CPUs busy 156 % of 200 % with one worker per core, 173 % with one more (BENCHMARKS.md)."""
+    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds; still runs in CI")
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
