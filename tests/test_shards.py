@@ -293,37 +293,23 @@ def test_ddp_from_shards_over_http_killed_mid_epoch_resumes_bit_for_bit_then_on_
 
 
 @pytest.mark.slow
-def test_ddp_on_3_processes_from_shards_sees_each_image_once_an_epoch_and_validates_exactly(folders, tmp_path):
-    """24 training images, 2 batches of 4 per rank; 5 validation images: 2, 2 and 1 per rank, none twice."""
+@pytest.mark.parametrize("script, nproc, val_shares", [("train_multi_gpu_ddp.py", 3, [1, 2, 2]),
+                                                        ("train_multi_gpu_fsdp.py", 2, [2, 3])])
+def test_ddp_and_fsdp_from_shards_see_each_image_once_an_epoch_and_validate_exactly(folders, tmp_path, script,
+                                                                                     nproc, val_shares):
+    """24 training images, an equal share per rank (DDP on 3: 2 batches of 4 each; FSDP on 2: 3 batches); the
+    5 validation images split unpadded over the ranks, none twice."""
     _, _, shards = folders
-    proc = run_entry("tests/_faults.py", "none", "train_multi_gpu_ddp.py", *FAST_ARGS, f"data.shards={shards}",
-                     f"data.shard_cache={tmp_path / 'cache'}", "--output-dir", tmp_path / "run", nproc=3,
+    proc = run_entry("tests/_faults.py", "none", script, *FAST_ARGS, f"data.shards={shards}",
+                     f"data.shard_cache={tmp_path / 'cache'}", "--output-dir", tmp_path / "run", nproc=nproc,
                      env={"SEEN_LOG": str(tmp_path / "seen.log")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = seen(tmp_path / "seen.log")
     train, val = paths_of(rows, part="train"), paths_of(rows, part="val")
     assert len(train) == 24 and once(train)
-    assert [len(paths_of(rows, part="train", rank=r)) for r in range(3)] == [8, 8, 8]
+    assert [len(paths_of(rows, part="train", rank=r)) for r in range(nproc)] == [24 // nproc] * nproc
     assert len(val) == 5 and once(val)
-    assert sorted(len(paths_of(rows, part="val", rank=r)) for r in range(3)) == [1, 2, 2]
-    [line] = metrics(tmp_path / "run")
-    assert line["val_count"] == 5 and line["bad_images"] == 1
-
-
-@pytest.mark.slow
-def test_fsdp_on_2_processes_from_shards_sees_each_image_once_and_validates_exactly(folders, tmp_path):
-    """train_multi_gpu_fsdp.py reads shards through the same datasets and samplers: 24 training images, 12 per
-    rank, and the 5 validation images 3 and 2, none twice."""
-    _, _, shards = folders
-    proc = run_entry("tests/_faults.py", "none", "train_multi_gpu_fsdp.py", *FAST_ARGS, f"data.shards={shards}",
-                     f"data.shard_cache={tmp_path / 'cache'}", "--output-dir", tmp_path / "run", nproc=2,
-                     env={"SEEN_LOG": str(tmp_path / "seen.log")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = seen(tmp_path / "seen.log")
-    train, val = paths_of(rows, part="train"), paths_of(rows, part="val")
-    assert len(train) == 24 and once(train)
-    assert [len(paths_of(rows, part="train", rank=r)) for r in range(2)] == [12, 12]
-    assert len(val) == 5 and once(val)
+    assert sorted(len(paths_of(rows, part="val", rank=r)) for r in range(nproc)) == val_shares
     [line] = metrics(tmp_path / "run")
     assert line["val_count"] == 5 and line["bad_images"] == 1
 
