@@ -160,13 +160,11 @@ def main(argv=None):
         raise UserError(str(e)) from None
     device = resolve_device(args.device)
     model, classes, config, ckpt_path = load_trained(args.source)
-    if getattr(model, "multilabel", False) and args.reject:
-        raise UserError("--reject is for a single-label model; a multi-label one answers no label under its thresholds")
-    if reject == "auto":
-        if model.reject_threshold is None:
-            raise UserError(f"--reject auto: checkpoint '{ckpt_path}' holds no rejection threshold (written before "
-                            "runs fitted one); give --reject P, a probability")
-        reject = model.reject_threshold
+    try:
+        reject = predict_onnx.resolve_reject(reject, getattr(model, "multilabel", False), model.reject_threshold,
+                                             f"checkpoint '{ckpt_path}'")
+    except predict_onnx.UserError as e:
+        raise UserError(str(e)) from None
     cam_class, target = None, None
     if args.cam:
         if args.cam_class is not None and args.cam_class not in classes:

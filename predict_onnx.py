@@ -318,6 +318,19 @@ def parse_reject(value):
     return p
 
 
+def resolve_reject(reject, multilabel, stored, where):
+    """parse_reject's value for this model: None (off), P, or for "auto" the threshold `stored` with it (`where`
+    names the file). A multi-label model answers no label under its thresholds instead: --reject is refused."""
+    if reject is not None and multilabel:
+        raise UserError("--reject is for a single-label model; a multi-label one answers no label under its thresholds")
+    if reject != "auto":
+        return reject
+    if stored is None:
+        raise UserError(f"--reject auto: {where} holds no rejection threshold (written before runs fitted one); "
+                        "give --reject P, a probability")
+    return stored
+
+
 def check_out(out):
     if Path(out).suffix.lower() not in (".csv", ".json"):
         raise UserError(f"--out '{out}' must end in .csv or .json")
@@ -344,13 +357,8 @@ def main(argv=None):
         out = Path(args.out) if args.out else Path(args.model).with_name("predictions_onnx.csv")
         check_out(out)
         spec = read_sidecar(args.model)
-        if reject is not None and spec["activation"] == "sigmoid":
-            raise UserError("--reject is for a single-label model; a multi-label one answers no label under its thresholds")
-        if reject == "auto":
-            reject = spec.get("reject_threshold")
-            if reject is None:
-                raise UserError("--reject auto: the sidecar holds no reject_threshold (a model exported before "
-                                "runs fitted one); give --reject P, a probability")
+        reject = resolve_reject(reject, spec["activation"] == "sigmoid", spec.get("reject_threshold"),
+                                f"the sidecar of '{args.model}'")
         classes = spec["classes"]
         paths = find_images(args.paths)
         topk = min(args.topk, len(classes))

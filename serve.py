@@ -48,7 +48,6 @@ import predict_onnx
 from predict_onnx import BadImage, UserError
 from utils import run_dir as run_files
 
-MULTILABEL_REJECT = "--reject is for a single-label model; a multi-label one answers no label under its thresholds"
 DRAIN_LIMIT = 8  # an oversized body up to this many times --max-upload-mb is read and dropped before the 413
 
 
@@ -60,13 +59,8 @@ class OnnxModel:
 
     def __init__(self, path, topk, reject):
         self.path, self.spec = path, predict_onnx.read_sidecar(path)
-        if reject is not None and self.spec["activation"] == "sigmoid":
-            raise UserError(MULTILABEL_REJECT)
-        if reject == "auto":
-            reject = self.spec.get("reject_threshold")
-            if reject is None:
-                raise UserError("--reject auto: the sidecar holds no reject_threshold (a model exported before runs "
-                                "fitted one); give --reject P, a probability")
+        reject = predict_onnx.resolve_reject(reject, self.spec["activation"] == "sigmoid",
+                                             self.spec.get("reject_threshold"), f"the sidecar of '{path}'")
         self.classes, self.reject = self.spec["classes"], reject or 0.0
         self.topk = min(topk, len(self.classes))
 
@@ -98,13 +92,8 @@ class TorchModel:
             model, self.classes, config, path = load_trained(self.source)
         except TorchUserError as e:
             raise UserError(str(e), e.exit_code) from None
-        if getattr(model, "multilabel", False) and self.reject is not None:
-            raise UserError(MULTILABEL_REJECT)
-        if self.reject == "auto":
-            if model.reject_threshold is None:
-                raise UserError(f"--reject auto: checkpoint '{path}' holds no rejection threshold (written before runs "
-                                "fitted one); give --reject P, a probability")
-            self.reject = model.reject_threshold
+        self.reject = predict_onnx.resolve_reject(self.reject, getattr(model, "multilabel", False),
+                                                  model.reject_threshold, f"checkpoint '{path}'")
         self.model, self.reject = model.to(self.device), self.reject or 0.0
         self.topk = min(self.topk, len(self.classes))
         data = trained_data_config(config)
