@@ -305,6 +305,33 @@ def test_whole_run_quick_prints_the_ratio_and_the_breakdown(tmp_path):
 
 
 @pytest.mark.slow
+def test_pictures_quick_times_the_steps_alone_and_beside_the_picture_job_with_each_checksum(tmp_path):
+    """benchmarks/pictures.py --quick: the steps timed alone and with the template's epoch pictures drawn to
+    TensorBoard beside them, once with each checksum; the job ran in both arms (its seconds, its pictures in
+    the event file) and each printed row is computed from the windows' own times."""
+    import statistics
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "json"
+    r = subprocess.run([sys.executable, "benchmarks/pictures.py", "--quick", "--data", str(tmp_path / "data"),
+                        "--out-dir", str(tmp_path / "logger"), "--json", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["alone"]) == 2 and all(len(res["beside"][arm]) == 2 for arm in ("tensorboard", "c"))
+    for arm, row in res["rows"].items():
+        assert row["job_seconds"] > 0, arm
+        ratio = statistics.median(b / a for a, b in zip(res["alone"], res["beside"][arm]))
+        assert row["ratio"] == pytest.approx(ratio)
+        assert row["lost_per_job_second"] == pytest.approx((sum(res["beside"][arm]) - sum(res["alone"])) /
+                                                           row["job_seconds"])
+        assert f"| {arm} | {row['ratio']:.3f} | {row['lost_per_job_second']:.2f} |" in r.stdout
+    acc = EventAccumulator(str(tmp_path / "logger"), size_guidance={"images": 0})
+    acc.Reload()  # TensorBoard's own reader checks every record's checksum, of both arms
+    assert len(acc.Images("val/confusion_matrix")) == len(acc.Images("val/worst_mistakes")) >= 3
+
+
+@pytest.mark.slow
 def test_finetune_quick_runs_the_pretraining_the_rows_asked_and_distils_from_the_full_fine_tune(tmp_path):
     """benchmarks/finetune.py --quick: resnet18 pretrained on digits 0-4, then the rows asked on digits 5-9; the
     student's teacher is the full fine-tune of its seed, and each row of the table holds its mean and range."""

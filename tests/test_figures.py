@@ -82,6 +82,40 @@ def test_every_number_of_metrics_jsonl_is_a_scalar_on_the_global_step_axis(train
     assert len(rows[-1]["val_f1"]) == len(rows[-1]["val_precision"]) == len(rows[-1]["val_recall"]) == 5
 
 
+def test_tensorboard_records_are_checksummed_in_c_as_tensorboard_checks_them(trained_run, tmp_path):
+    """TensorBoard without TensorFlow checksums each record in pure Python, holding the GIL on its writer
+    thread while the training loop waits (benchmarks/pictures.py); the RunLogger's writer computes the same
+    CRC-32C with google-crc32c instead. Every record of the run's event file carries the checksum that
+    TensorBoard's own pure-Python function computes, and a RunLogger's writer uses the C one."""
+    import os
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as in_python
+    from tensorboard.summary.writer import record_writer
+
+    pytest.importorskip("google_crc32c", reason="google-crc32c is not installed (pip install -r requirements.txt)")
+    from utils.run_logger import RunLogger, masked_crc32c
+    for data in (b"", b"\x00", os.urandom(7), os.urandom(100_003)):
+        assert masked_crc32c(data) == in_python(data)
+    events, = trained_run["run_dir"].glob("events.out.tfevents.*")
+    raw, records, at = events.read_bytes(), 0, 0
+    while at < len(raw):  # TFRecord: length, its CRC, the data, its CRC
+        header = raw[at:at + 8]
+        length, = struct.unpack("<Q", header)
+        header_crc, = struct.unpack("<I", raw[at + 8:at + 12])
+        data = raw[at + 12:at + 12 + length]
+        data_crc, = struct.unpack("<I", raw[at + 12 + length:at + 16 + length])
+        assert (header_crc, data_crc) == (in_python(header), in_python(data)), f"record {records}"
+        at, records = at + 16 + length, records + 1
+    assert records > 50  # scalars, pictures and the hparams, every one checked
+    logger = RunLogger(tmp_path / "logger", enabled=True)
+    logger.wait()  # the writer is opened on the logger's thread
+    try:
+        assert record_writer.masked_crc32c is masked_crc32c
+    finally:
+        logger.close()
+
+
 def test_hparams_tab_holds_the_config(trained_run):
     from tensorboard.plugins.hparams import plugin_data_pb2
     acc = accumulate(trained_run["run_dir"])

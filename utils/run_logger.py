@@ -28,6 +28,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+try:
+    import google_crc32c
+except ImportError:  # TensorBoard's own checksum, in pure Python (checksum_in_c)
+    google_crc32c = None
+
 from utils import run_dir as run_files
 from utils.config import flatten, save_config
 from utils.distributed_utils import broadcast_object
@@ -150,6 +155,7 @@ class RunLogger:
 
     def _open_writer(self, purge_step):
         from torch.utils.tensorboard import SummaryWriter
+        checksum_in_c()
         self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge_step)
         self.writer.add_custom_scalars(LAYOUT)
 
@@ -321,6 +327,24 @@ LAYOUT = {
         "data wait: share of the training time": ["Multiline", [r"^train/data_wait(_step)?$"]],
     },
 }
+
+
+def masked_crc32c(data):
+    """TensorBoard's record checksum (CRC-32C, masked as TFRecord's), computed in C by google-crc32c."""
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | ((crc << 17) & 0xFFFFFFFF)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def checksum_in_c():
+    """Whether TensorBoard's records are checksummed by masked_crc32c (it is installed into TensorBoard's
+    writer here when google-crc32c's C code is there). Without TensorFlow, TensorBoard computes the checksum
+    of every record in pure Python: 27 ms for a 100 KB picture, all of it holding Python's lock (the GIL) on
+    the writer's thread, while the training loop's thread waits for that lock between its ops
+    (benchmarks/pictures.py). The event files are the same byte for byte."""
+    from tensorboard.summary.writer import record_writer
+    if google_crc32c is not None and google_crc32c.implementation == "c":
+        record_writer.masked_crc32c = masked_crc32c
+    return record_writer.masked_crc32c is masked_crc32c
 
 
 def scalar_tag(key):
