@@ -79,23 +79,24 @@ def picture_job(args):
     def job():
         figures.epoch_pictures(logger, val, worst, classes, val_set, 0, None, cam)
         logger.writer.flush()  # the TensorBoard records written, as at each epoch's end (RunLogger._epoch)
-    return job, logger, net
+    return job, logger
 
 
 def main(argv=None):
     args = parse_args(argv)
     import torch
+    import torchvision
     from tensorboard.summary.writer import record_writer
     from utils.run_logger import checksum_in_c, masked_crc32c
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    job, logger, net = picture_job(args)
+    job, logger = picture_job(args)
     logger.wait()  # the writer opened, which installs the C checksum
     if not checksum_in_c():
         raise SystemExit("error: google-crc32c's C code is not installed: pip install -r requirements.txt")
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as in_python
     checksums = {"tensorboard": in_python, "c": masked_crc32c}
 
-    model = __import__("torchvision").models.resnet18(num_classes=10)
+    model = torchvision.models.resnet18(num_classes=10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
 
@@ -146,6 +147,8 @@ def main(argv=None):
     record_writer.masked_crc32c = masked_crc32c
     logger.close()
 
+    if min(spent.values()) == 0:
+        raise SystemExit("error: the picture job never ran beside the steps; give more --steps")
     rows = {arm: {"ratio": statistics.median(b / a for a, b in zip(alone, beside[arm])),
                   "lost_per_job_second": (sum(beside[arm]) - sum(alone)) / spent[arm], "job_seconds": spent[arm]}
             for arm in ARMS}
